@@ -1,0 +1,309 @@
+"""Settings: the environment and the TOML config file of contracts/operations.md.
+
+No other module reads os.environ. Everything the platform needs at start is validated here, so a
+bad file or URL fails at once with one line naming the key, and nothing starts half-configured.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import tomllib
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+LANES = ("ENTERPRISE_RESERVED", "PAID_SHARED", "STANDARD", "BEST_EFFORT", "EXPENSIVE", "RECOVERY")
+SERVICE_CLASSES = ("ENTERPRISE_RESERVED", "PAID_SHARED", "STANDARD", "BEST_EFFORT")
+RESOLUTIONS = ("480p", "720p", "1080p", "4k")
+MODES = ("text_to_video", "image_to_video", "video_to_video", "extend")
+
+
+class ConfigError(Exception):
+    """A configuration problem, worded as one line that names the key or URL."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ProviderAccount(_Strict):
+    account_id: str = Field(min_length=1)
+    api_key: str = "sim-key"
+    region: str = "us"
+    max_concurrency: int = Field(default=200, gt=0)
+
+
+class SimulatorBehaviour(_Strict):
+    """How a built-in provider simulator misbehaves. Rates are probabilities in [0, 1]."""
+
+    seed: int = 7
+    latency_seconds_min: float = Field(default=20.0, ge=0)
+    latency_seconds_max: float = Field(default=60.0, ge=0)
+    failure_rate: float = Field(default=0.02, ge=0, le=1)
+    accept_then_timeout_rate: float = Field(default=0.0, ge=0, le=1)
+    burst_429_rate: float = Field(default=0.0, ge=0, le=1)
+    webhook_drop_rate: float = Field(default=0.0, ge=0, le=1)
+    webhook_duplicate_rate: float = Field(default=0.0, ge=0, le=1)
+    webhook_delay_seconds_max: float = Field(default=0.0, ge=0)
+    failed_but_charged_rate: float = Field(default=0.0, ge=0, le=1)
+    cancellation_fee: str = "0.0500"
+    cost_per_second: str = "0.0500"
+    currency: str = "USD"
+    idempotency_window_seconds: int = Field(default=86400, gt=0)
+
+
+class ProviderConfig(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[a-z0-9][a-z0-9-]*$")
+    base_url: str | None = None  # None: a built-in simulator is started for this provider
+    webhook_secret: str = "whsec_c2ltdWxhdG9yLXNlY3JldA=="
+    models: list[str] = Field(default_factory=lambda: ["video-model-x"], min_length=1)
+    accounts: list[ProviderAccount] = Field(default_factory=lambda: [ProviderAccount(account_id="account-01")], min_length=1)
+    submit_timeout_seconds: float = Field(default=10.0, gt=0)
+    max_resolution: Literal["480p", "720p", "1080p", "4k"] = "4k"
+    max_duration_seconds: int = Field(default=60, gt=0)
+    cost_per_second: str = "0.0500"  # expected provider cost, a decimal string in `currency`
+    currency: str = "USD"
+    simulator: SimulatorBehaviour = Field(default_factory=SimulatorBehaviour)
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v
+
+
+class LaneConfig(_Strict):
+    capacity_units: int = Field(ge=0)
+    borrowable_units: int = Field(default=0, ge=0)
+    min_headroom_units: int = Field(default=0, ge=0)
+    max_queue_units: int = Field(default=100_000, ge=0)
+    admission_open: bool = True
+    max_wait_seconds: int = Field(default=1800, gt=0)
+
+
+def _default_lanes() -> dict[str, LaneConfig]:
+    return {
+        "ENTERPRISE_RESERVED": LaneConfig(capacity_units=500, borrowable_units=200, min_headroom_units=50),
+        "PAID_SHARED": LaneConfig(capacity_units=1200),
+        "STANDARD": LaneConfig(capacity_units=600),
+        "BEST_EFFORT": LaneConfig(capacity_units=200),
+        "EXPENSIVE": LaneConfig(capacity_units=160, max_queue_units=4000),
+        "RECOVERY": LaneConfig(capacity_units=100),
+    }
+
+
+class ModelPrice(_Strict):
+    """Default price rules for one model, in credit units. Becomes price_book rules data."""
+
+    base_amount: int = Field(default=20, ge=0)
+    per_second_amount: int = Field(default=10, ge=0)
+    resolution_multiplier_pct: dict[str, int] = Field(
+        default_factory=lambda: {"480p": 60, "720p": 100, "1080p": 150, "4k": 400}
+    )
+    audio_surcharge_amount: int = Field(default=10, ge=0)
+    mode_multiplier_pct: dict[str, int] = Field(
+        default_factory=lambda: {"text_to_video": 100, "image_to_video": 100, "video_to_video": 150, "extend": 100}
+    )
+    charge_policy_code: str = "SUCCESS_ONLY"
+
+
+class Timers(_Strict):
+    """Durations in platform seconds; the clock divides them by time_scale."""
+
+    scheduler_tick_seconds: float = Field(default=1.0, gt=0)
+    outbox_relay_seconds: float = Field(default=0.2, gt=0)
+    outbox_retry_base_seconds: float = Field(default=1.0, gt=0)  # doubles per failed delivery
+    outbox_retry_max_seconds: float = Field(default=300.0, gt=0)
+    reconciler_seconds: float = Field(default=30.0, gt=0)
+    lease_seconds: float = Field(default=300.0, gt=0)
+    aging_step_seconds: float = Field(default=300.0, gt=0)
+    poll_first_seconds: float = Field(default=10.0, gt=0)
+    poll_min_seconds: float = Field(default=15.0, gt=0)
+    poll_max_seconds: float = Field(default=30.0, gt=0)
+    idempotency_ttl_seconds: float = Field(default=86400.0, ge=86400.0)
+    idempotency_lock_seconds: float = Field(default=30.0, gt=0)
+    throughput_window_seconds: float = Field(default=600.0, gt=0)
+
+
+class Limits(_Strict):
+    """Platform-wide limits; per-tenant ones live in tenant_scheduling_policy."""
+
+    max_body_bytes: int = Field(default=64 * 1024, gt=0)
+    max_inputs: int = Field(default=4, ge=0)
+    max_input_bytes: int = Field(default=200 * 1024 * 1024, gt=0)
+    max_input_duration_seconds: float = Field(default=120.0, gt=0)
+    outbox_backlog_reject_threshold: int = Field(default=50_000, gt=0)
+    outbox_max_attempts: int = Field(default=10, gt=0)  # then the event is FAILED, for an operator
+    model_global_running_cap: int = Field(default=800, gt=0)
+    platform_cost_per_minute: int = Field(default=10_000, gt=0)
+    pool_shards: int = Field(default=4, gt=0, le=64)
+
+
+class PlatformConfig(_Strict):
+    time_scale: float = Field(default=1.0, gt=0)
+    providers: list[ProviderConfig] = Field(default_factory=lambda: [ProviderConfig(name="provider-a")], min_length=1)
+    lanes: dict[str, LaneConfig] = Field(default_factory=_default_lanes)
+    prices: dict[str, ModelPrice] = Field(default_factory=dict)
+    timers: Timers = Field(default_factory=Timers)
+    limits: Limits = Field(default_factory=Limits)
+
+    @field_validator("lanes")
+    @classmethod
+    def _lanes(cls, v: dict[str, LaneConfig]) -> dict[str, LaneConfig]:
+        unknown = sorted(set(v) - set(LANES))
+        if unknown:
+            raise ValueError(f"unknown lane {unknown[0]!r}; lanes are {', '.join(LANES)}")
+        merged = _default_lanes()
+        merged.update(v)  # a file may configure some lanes; the rest keep their defaults
+        return merged
+
+    @model_validator(mode="after")
+    def _unique_providers(self) -> "PlatformConfig":
+        names = [p.name for p in self.providers]
+        if len(names) != len(set(names)):
+            raise ValueError("providers: duplicate provider name")
+        return self
+
+    @property
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for p in self.providers:
+            for m in p.models:
+                seen.setdefault(m, None)
+        return list(seen)
+
+    def price_for(self, model: str) -> ModelPrice:
+        return self.prices.get(model, ModelPrice())
+
+    def provider(self, name: str) -> ProviderConfig | None:
+        return next((p for p in self.providers if p.name == name), None)
+
+
+def _error_line(source: str, err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "(root)"
+    return f"{source}: key '{key}': {first['msg']}"
+
+
+def load_config(path: str | Path | None) -> PlatformConfig:
+    """Parse and validate the TOML config; None means every default."""
+    if path is None:
+        return PlatformConfig()
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p}: not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {p}: not valid TOML: {e}") from None
+    return parse_config(data, source=f"config file {p}")
+
+
+def parse_config(data: dict[str, Any], source: str = "config") -> PlatformConfig:
+    try:
+        return PlatformConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_error_line(source, e)) from None
+
+
+class Settings(_Strict):
+    """Where state lives. URLs of None mean: start the embedded server under home."""
+
+    database_url: str | None = None
+    redis_url: str | None = None  # "none" disables Redis: conservative mode
+    home: Path = Path(".aivedio")
+    config_file: Path | None = None
+    redis_prefix: str = "av"
+    log_level: str = "INFO"
+    api_base_url: str = "http://127.0.0.1:8080"
+    event_queue_urls: dict[str, str] = Field(default_factory=dict)  # event_type (or "*") -> SQS queue URL
+
+    @property
+    def redis_disabled(self) -> bool:
+        return (self.redis_url or "").lower() == "none"
+
+
+def settings_from_env(environ: dict[str, str] | None = None) -> Settings:
+    env = os.environ if environ is None else environ
+
+    def get(name: str) -> str | None:
+        v = env.get(name)
+        return v if v not in (None, "") else None
+
+    db = get("AIVEDIO_DATABASE_URL")
+    if db is not None and not db.startswith(("postgresql://", "postgres://")):
+        raise ConfigError(f"AIVEDIO_DATABASE_URL: expected a postgresql:// URL, got {db!r}")
+    rd = get("AIVEDIO_REDIS_URL")
+    if rd is not None and rd.lower() != "none" and not rd.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"AIVEDIO_REDIS_URL: expected redis://, rediss://, unix:// or 'none', got {rd!r}")
+    queues_raw = get("AIVEDIO_EVENT_QUEUES")
+    try:
+        queues = json.loads(queues_raw) if queues_raw else {}
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"AIVEDIO_EVENT_QUEUES: not valid JSON: {e}") from None
+    if not isinstance(queues, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in queues.items()):
+        raise ConfigError("AIVEDIO_EVENT_QUEUES: expected a JSON object of event_type to queue URL")
+    return Settings(
+        event_queue_urls=queues,
+        database_url=db,
+        redis_url=rd,
+        home=Path(get("AIVEDIO_HOME") or ".aivedio"),
+        config_file=Path(c) if (c := get("AIVEDIO_CONFIG")) else None,
+        redis_prefix=get("AIVEDIO_REDIS_PREFIX") or "av",
+        log_level=get("AIVEDIO_LOG_LEVEL") or "INFO",
+        api_base_url=get("AIVEDIO_API_BASE_URL") or "http://127.0.0.1:8080",
+    )
+
+
+class Clock:
+    """The one clock. Timestamps are wall-clock UTC; platform durations are divided by time_scale,
+    so with time_scale=60 a configured 5-minute aging step passes in 5 real seconds."""
+
+    def __init__(self, time_scale: float = 1.0):
+        if time_scale <= 0:
+            raise ConfigError("time_scale: must be > 0")
+        self.time_scale = time_scale
+
+    def now(self) -> datetime:
+        return datetime.now(timezone.utc)
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def real_seconds(self, platform_seconds: float) -> float:
+        return platform_seconds / self.time_scale
+
+    def delta(self, platform_seconds: float) -> timedelta:
+        return timedelta(seconds=self.real_seconds(platform_seconds))
+
+    def after(self, platform_seconds: float) -> datetime:
+        return self.now() + self.delta(platform_seconds)
+
+    def sleep(self, platform_seconds: float) -> None:
+        time.sleep(self.real_seconds(platform_seconds))
+
+
+class ManualClock(Clock):
+    """A clock tests move by hand, for exact boundary timestamps."""
+
+    def __init__(self, start: datetime, time_scale: float = 1.0):
+        super().__init__(time_scale)
+        self._now = start
+        self._mono = 0.0
+
+    def now(self) -> datetime:
+        return self._now
+
+    def monotonic(self) -> float:
+        return self._mono
+
+    def advance(self, platform_seconds: float) -> None:
+        self._now += self.delta(platform_seconds)
+        self._mono += self.real_seconds(platform_seconds)
+
+    def sleep(self, platform_seconds: float) -> None:
+        self.advance(platform_seconds)

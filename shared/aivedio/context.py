@@ -1,0 +1,85 @@
+"""The platform's wiring for one process: settings, config, clock, database and cache.
+
+Lambda handlers call get_platform() once per cold start; the local runtime and tests build their
+own Platform and install it with set_platform(), so the same handler code runs everywhere."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from aivedio.cache.client import Cache, connect_cache_or_fail
+from aivedio.config import Clock, PlatformConfig, Settings, load_config, settings_from_env
+from aivedio.db.pool import Database, connect_or_fail
+
+
+@dataclass
+class Platform:
+    settings: Settings
+    config: PlatformConfig
+    clock: Clock
+    db: Database
+    cache: Cache | None
+    extras: dict[str, Any] = field(default_factory=dict)  # wake-up events, simulator handles, ...
+
+    def wake(self, name: str) -> None:
+        """Run the local loop `name` now instead of at its next interval; a no-op in Lambda."""
+        event = self.extras.get("wake", {}).get(name)
+        if event is not None:
+            event.set()
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+        self.db.close()
+
+
+def resolve_urls(settings: Settings) -> tuple[str, str | None]:
+    """The database and Redis URLs to use, starting embedded servers where none is given."""
+    from aivedio.local import embedded
+
+    db_url = settings.database_url or embedded.embedded_postgres_url(settings.home)
+    if settings.redis_disabled:
+        redis_url = None
+    else:
+        redis_url = settings.redis_url or embedded.embedded_redis_url(settings.home)
+    return db_url, redis_url
+
+
+def build_platform(
+    settings: Settings | None = None,
+    config: PlatformConfig | None = None,
+    *,
+    clock: Clock | None = None,
+    pool_size: int = 10,
+    migrate: bool = False,
+) -> Platform:
+    settings = settings or settings_from_env()
+    config = config or load_config(settings.config_file)
+    db_url, redis_url = resolve_urls(settings)
+    connect_or_fail(db_url)
+    if migrate:
+        from aivedio.db.migrate import migrate as run_migrations
+
+        run_migrations(db_url)
+    cache = connect_cache_or_fail(redis_url, settings.redis_prefix) if redis_url else None
+    db = Database(db_url, max_size=pool_size)
+    return Platform(settings, config, clock or Clock(config.time_scale), db, cache)
+
+
+_lock = threading.Lock()
+_platform: Platform | None = None
+
+
+def get_platform() -> Platform:
+    global _platform
+    with _lock:
+        if _platform is None:
+            _platform = build_platform()
+        return _platform
+
+
+def set_platform(p: Platform | None) -> None:
+    global _platform
+    with _lock:
+        _platform = p

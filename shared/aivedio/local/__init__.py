@@ -1,0 +1,1 @@
+"""Everything that makes the platform run for real on one machine."""

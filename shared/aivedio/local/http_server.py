@@ -1,0 +1,143 @@
+"""The local stand-in for API Gateway: a threaded HTTP server that turns each request into a REST
+proxy event, invokes a Lambda handler in-process, and turns its answer back into HTTP.
+
+It enforces only what API Gateway does: a 10 MiB payload limit (413), and a 502 when the handler
+raises or returns something that is not a proxy response. Invocations of one handler are
+serialised, as in one Lambda execution environment: Powertools' resolver keeps the current event
+in shared state, so two concurrent invocations in one process would read each other's request."""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from aivedio.local import apigw
+from aivedio.local.lambda_context import FakeLambdaContext
+
+log = logging.getLogger("aivedio.local.http")
+
+MAX_BODY_BYTES = 10 * 1024 * 1024  # API Gateway's payload quota
+LambdaHandler = Callable[[dict, Any], Any]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, like API Gateway
+    server_version = "aivedio-local"
+    timeout = 120  # an idle keep-alive connection frees its thread after this
+    server: "LambdaHttpServer"
+
+    def __getattr__(self, name: str):
+        # API Gateway's ANY method: every verb reaches the handler.
+        if name.startswith("do_"):
+            return self._dispatch
+        raise AttributeError(name)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def _read_body(self) -> bytes | None:
+        """The request body, or None after answering 413/400 for it."""
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            return self._read_chunked()
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            return b""
+        try:
+            length = int(raw)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self._reply(apigw.gateway_error(400, "BAD_REQUEST", "invalid Content-Length"), close=True)
+            return None
+        if length > MAX_BODY_BYTES:
+            self._reply(apigw.gateway_error(413, "PAYLOAD_TOO_LARGE", "Request Too Long"), close=True)
+            return None
+        return self.rfile.read(length)
+
+    def _read_chunked(self) -> bytes | None:
+        parts: list[bytes] = []
+        total = 0
+        while True:
+            line = self.rfile.readline(1024)
+            try:
+                size = int(line.split(b";")[0].strip() or b"x", 16)
+            except ValueError:
+                self._reply(apigw.gateway_error(400, "BAD_REQUEST", "invalid chunked encoding"), close=True)
+                return None
+            if size == 0:
+                while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+                    pass  # trailers
+                return b"".join(parts)
+            total += size
+            if total > MAX_BODY_BYTES:
+                self._reply(apigw.gateway_error(413, "PAYLOAD_TOO_LARGE", "Request Too Long"), close=True)
+                return None
+            parts.append(self.rfile.read(size))
+            self.rfile.readline(8)  # the CRLF after each chunk
+
+    def _dispatch(self) -> None:
+        body = self._read_body()
+        if body is None:
+            return
+        url = urlsplit(self.path)
+        event = apigw.to_event(
+            self.command, url.path, url.query, self.headers.items(), body, source_ip=self.client_address[0]
+        )
+        ctx = FakeLambdaContext(self.server.function_name)
+        try:
+            with self.server.invoke_lock:
+                result = self.server.lambda_handler(event, ctx)
+            resp = apigw.from_response(result)
+        except apigw.MalformedProxyResponse as e:
+            log.error("%s returned a malformed proxy response: %s", self.server.function_name, e)
+            resp = apigw.gateway_error(502, "INTERNAL", "Internal server error")
+        except Exception:
+            log.exception("%s raised", self.server.function_name)
+            resp = apigw.gateway_error(502, "INTERNAL", "Internal server error")
+        self._reply(resp)
+
+    def _reply(self, resp: apigw.HttpResponse, close: bool = False) -> None:
+        self.send_response(resp.status)
+        for k, v in resp.headers:
+            if k.lower() not in ("content-length", "connection", "transfer-encoding"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(resp.body)))
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        if self.command != "HEAD" and resp.body:
+            self.wfile.write(resp.body)
+
+
+class LambdaHttpServer(ThreadingHTTPServer):
+    daemon_threads = True  # a stuck keep-alive connection never blocks shutdown
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], lambda_handler: LambdaHandler, function_name: str = "aivedio-api"):
+        self.lambda_handler = lambda_handler
+        self.function_name = function_name
+        self.invoke_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        super().__init__(address, _Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"http://{host}:{port}"
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.2}, name="http-api", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:  # shutdown() waits for serve_forever, so only once it runs
+            self.shutdown()
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.server_close()

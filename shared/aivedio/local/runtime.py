@@ -1,0 +1,249 @@
+"""`aivedio serve`: the whole platform in one process.
+
+API Gateway becomes a local HTTP server in front of the `api` handler; each EventBridge schedule
+becomes a Loop thread calling the same handler EventBridge would call; SQS becomes in-process
+delivery to the consumers registered in aivedio.local.consumers. The handlers are the ones that
+run in Lambda, unchanged."""
+from __future__ import annotations
+
+import importlib
+import logging
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aivedio.config import ConfigError, Settings, load_config
+from aivedio.context import Platform, build_platform, set_platform
+from aivedio.db.pool import redact
+from aivedio.local import consumers
+from aivedio.local.apigw import ACCOUNT_ID
+from aivedio.local.http_server import LambdaHttpServer
+from aivedio.local.lambda_context import FakeLambdaContext
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[3]  # shared/aivedio/local/runtime.py -> repo
+API_HANDLER = "functions.api.handler"
+SCHEDULED_TIMEOUT_SECONDS = 60.0  # the Lambda timeout scheduled handlers get locally
+LOOP_JOIN_SECONDS = 10.0
+
+
+def load_handler(module: str, attr: str = "lambda_handler") -> Callable[[dict, Any], Any]:
+    """Import a Lambda handler from functions/. That tree is deployed as function code, not
+    installed by pip, so the repository root joins sys.path when it is not importable yet."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != "functions" or not (REPO_ROOT / "functions").is_dir():
+            raise
+        sys.path.insert(0, str(REPO_ROOT))
+        mod = importlib.import_module(module)
+    return getattr(mod, attr)
+
+
+def scheduled_event(rule: str) -> dict[str, Any]:
+    """The event an EventBridge schedule rule sends to its target."""
+    return {
+        "version": "0",
+        "id": str(uuid.uuid4()),
+        "detail-type": "Scheduled Event",
+        "source": "aws.events",
+        "account": ACCOUNT_ID,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "region": "local",
+        "resources": [f"arn:aws:events:local:{ACCOUNT_ID}:rule/aivedio-{rule}"],
+        "detail": {},
+    }
+
+
+def scheduled(rule: str, module: str) -> Callable[[], Any]:
+    """A loop body that invokes a scheduled Lambda handler the way EventBridge would."""
+    handler = load_handler(module)
+
+    def run() -> Any:
+        return handler(scheduled_event(rule), FakeLambdaContext(f"aivedio-{rule}", timeout_seconds=SCHEDULED_TIMEOUT_SECONDS))
+
+    return run
+
+
+@dataclass(frozen=True)
+class Loop:
+    name: str
+    interval_platform_seconds: float  # the clock turns it into real seconds (time_scale)
+    fn: Callable[[], Any]
+
+
+# Each factory adds the loops of one capability. Later capabilities append theirs
+# (scheduler tick, reconcilers, ...) with @loop_factory.
+LoopFactory = Callable[[Platform], Iterable[Loop]]
+LOOP_FACTORIES: list[LoopFactory] = []
+
+
+def loop_factory(fn: LoopFactory) -> LoopFactory:
+    LOOP_FACTORIES.append(fn)
+    return fn
+
+
+@loop_factory
+def _outbox_relay(platform: Platform) -> Iterator[Loop]:
+    yield Loop("outbox-relay", platform.config.timers.outbox_relay_seconds, scheduled("outbox-relay", "functions.outbox_relay.handler"))
+
+
+def default_loops(platform: Platform) -> list[Loop]:
+    return [loop for factory in LOOP_FACTORIES for loop in factory(platform)]
+
+
+class _LoopThread(threading.Thread):
+    """Runs one loop until stopped; records its health in platform.extras["loop_status"]."""
+
+    def __init__(self, loop: Loop, platform: Platform, stop: threading.Event, wake: threading.Event):
+        super().__init__(name=f"loop-{loop.name}", daemon=True)
+        self.loop, self.platform, self.stop, self.wake = loop, platform, stop, wake
+
+    def run(self) -> None:
+        clock = self.platform.clock
+        status: dict[str, Any] = {"runs": 0, "errors": 0, "last_run_at": None, "last_duration_ms": None,
+                                  "last_ok": None, "last_error": None, "last_error_at": None,
+                                  "interval_seconds": clock.real_seconds(self.loop.interval_platform_seconds)}
+        while not self.stop.is_set():
+            started_at, t0 = clock.now(), time.monotonic()
+            ok, error = True, None
+            try:
+                self.loop.fn()
+            except Exception as e:  # a loop survives its failures; the next run tries again
+                ok, error = False, repr(e)
+                log.exception("loop %s failed", self.loop.name)
+            status = {**status, "runs": status["runs"] + 1, "last_run_at": started_at.isoformat(),
+                      "last_duration_ms": round((time.monotonic() - t0) * 1000, 1), "last_ok": ok}
+            if not ok:
+                status.update(errors=status["errors"] + 1, last_error=error, last_error_at=started_at.isoformat())
+            # Replaced whole, never mutated, so /healthz can copy it from another thread.
+            self.platform.extras["loop_status"][self.loop.name] = status
+            self.wake.wait(clock.real_seconds(self.loop.interval_platform_seconds))
+            self.wake.clear()
+
+
+class LocalRuntime:
+    """The API server and the loops over one Platform. Tests use it directly:
+    rt = LocalRuntime(platform, port=0); rt.start(); rt.base_url; rt.stop()."""
+
+    def __init__(self, platform: Platform, port: int = 8080, host: str = "127.0.0.1", loops: list[Loop] | None = None):
+        self.platform = platform
+        self.port, self.host = port, host
+        self._loops = loops
+        self._stop = threading.Event()
+        self._threads: list[_LoopThread] = []
+        self.server: LambdaHttpServer | None = None
+
+    @property
+    def base_url(self) -> str:
+        if self.server is None:
+            raise RuntimeError("LocalRuntime is not started")
+        return self.server.url
+
+    @property
+    def loops(self) -> list[Loop]:
+        return [t.loop for t in self._threads]
+
+    def start(self) -> "LocalRuntime":
+        p = self.platform
+        set_platform(p)  # the handlers find the platform through get_platform(), as in Lambda
+        p.extras["outbox_deliver"] = consumers.deliver
+        p.extras.setdefault("loop_status", {})
+        loops = default_loops(p) if self._loops is None else self._loops
+        p.extras["wake"] = {loop.name: threading.Event() for loop in loops}
+        self.server = LambdaHttpServer((self.host, self.port), load_handler(API_HANDLER), function_name="aivedio-api")
+        self.server.start()
+        self._stop.clear()
+        self._threads = [_LoopThread(loop, p, self._stop, p.extras["wake"][loop.name]) for loop in loops]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for ev in self.platform.extras.get("wake", {}).values():
+            ev.set()
+        for t in self._threads:
+            t.join(LOOP_JOIN_SECONDS)
+            if t.is_alive():
+                log.warning("loop %s did not stop within %.0fs", t.loop.name, LOOP_JOIN_SECONDS)
+        self._threads = []
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        self.platform.extras.pop("outbox_deliver", None)
+        self.platform.extras.pop("wake", None)
+        set_platform(None)
+
+    def __enter__(self) -> "LocalRuntime":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _banner(rt: LocalRuntime) -> str:
+    p, url = rt.platform, rt.base_url
+    redis = "disabled (conservative mode)" if p.cache is None else redact(p.cache.url)
+    loops = ", ".join(f"{lp.name} every {p.clock.real_seconds(lp.interval_platform_seconds):g}s" for lp in rt.loops) or "none"
+    return "\n".join([
+        f"AiVedio is running (time_scale={p.clock.time_scale:g})",
+        f"  API       {url}",
+        f"  health    curl {url}/healthz",
+        f"  docs      {url}/swagger   (OpenAPI: {url}/openapi.json)",
+        f"  database  {redact(p.db.url)}",
+        f"  redis     {redis}",
+        f"  loops     {loops}",
+        "Ctrl-C stops it.",
+        "",
+    ])
+
+
+def _default_api_url(settings: Settings, host: str, port: int) -> Settings:
+    """Point api_base_url (where simulators send webhooks) at this server unless it was set."""
+    if settings.api_base_url != Settings.model_fields["api_base_url"].default or port == 0:
+        return settings
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return settings.model_copy(update={"api_base_url": f"http://{shown}:{port}"})
+
+
+def serve(settings: Settings, port: int = 8080, host: str = "127.0.0.1") -> int:
+    """Run until SIGINT/SIGTERM; then stop the loops, the server, the platform and the embedded
+    servers this process started. Returns the exit code."""
+    from aivedio.local.embedded import stop_embedded
+
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    platform: Platform | None = None
+    rt: LocalRuntime | None = None
+    try:
+        config = load_config(settings.config_file)
+        settings = _default_api_url(settings, host, port)
+        platform = build_platform(settings, config, migrate=True)
+        rt = LocalRuntime(platform, port=port, host=host)
+        try:
+            rt.start()
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        sys.stderr.write(_banner(rt))
+        sys.stderr.flush()
+        while not stop.wait(0.5):
+            pass
+        log.info("stopping")
+    finally:
+        if rt is not None:
+            rt.stop()
+        if platform is not None:
+            platform.close()
+        set_platform(None)
+        stop_embedded()
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 0

@@ -1,0 +1,163 @@
+"""The transactional outbox: events written in the business transaction that caused them, then
+published by a relay at least once.
+
+Writers call write_event() with the connection of their own transaction, so the event exists if
+and only if the change does. The relay claims due PENDING rows with FOR UPDATE SKIP LOCKED (so
+concurrent relays never deliver the same row at once), delivers each, and marks it PUBLISHED only
+after delivery returned. A failed delivery is retried with exponential backoff and becomes FAILED
+after Limits.outbox_max_attempts, where an operator sees it. A crash between delivery and commit
+delivers again: consumers deduplicate with mark_processed()."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from pydantic import BaseModel
+
+from aivedio.events import EventEnvelope
+from aivedio.observability import logger, metrics
+
+if TYPE_CHECKING:
+    from aivedio.context import Platform
+
+Deliver = Callable[[dict[str, Any]], None]
+
+PENDING, PUBLISHED, FAILED = "PENDING", "PUBLISHED", "FAILED"
+MAX_ERROR_CHARS = 2000
+
+INSERT_EVENT = """
+insert into outbox_event (event_id, event_type, aggregate_type, aggregate_id, tenant_id, payload)
+values (%(event_id)s, %(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(tenant_id)s, %(payload)s)
+"""
+
+CLAIM_DUE = """
+select event_id, event_type, aggregate_type, aggregate_id, tenant_id, payload, attempts, created_at
+  from outbox_event
+ where status = 'PENDING' and next_retry_at <= now()
+ order by created_at, event_id
+ limit %(batch)s
+   for update skip locked
+"""
+
+MARK_PUBLISHED = """
+update outbox_event
+   set status = 'PUBLISHED', published_at = now(), attempts = attempts + 1, last_error = null
+ where event_id = any(%(ids)s)
+"""
+
+MARK_DELIVERY_FAILED = """
+update outbox_event
+   set attempts = attempts + 1,
+       last_error = %(error)s,
+       status = case when attempts + 1 >= %(max_attempts)s then 'FAILED' else 'PENDING' end,
+       next_retry_at = now() + make_interval(secs => %(delay)s)
+ where event_id = %(event_id)s
+"""
+
+COUNT_BACKLOG = "select count(*) as n from outbox_event where status = 'PENDING'"
+
+INSERT_PROCESSED = """
+insert into processed_event (consumer, event_id) values (%(consumer)s, %(event_id)s)
+on conflict do nothing
+"""
+
+
+def write_event(
+    conn: psycopg.Connection,
+    event_type: str,
+    *,
+    aggregate_type: str,
+    aggregate_id: UUID | None,
+    tenant_id: UUID | None,
+    payload: dict[str, Any] | BaseModel,
+) -> UUID:
+    """Add an event to the caller's transaction. Returns its event_id."""
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump(mode="json")
+    event_id = uuid.uuid4()
+    conn.execute(
+        INSERT_EVENT,
+        {
+            "event_id": event_id,
+            "event_type": event_type,
+            "aggregate_type": aggregate_type,
+            "aggregate_id": aggregate_id,
+            "tenant_id": tenant_id,
+            "payload": Jsonb(payload),
+        },
+    )
+    return event_id
+
+
+def envelope_of(row: dict[str, Any]) -> EventEnvelope:
+    return EventEnvelope(
+        event_id=row["event_id"],
+        event_type=row["event_type"],
+        tenant_id=row["tenant_id"],
+        aggregate_type=row["aggregate_type"],
+        aggregate_id=row["aggregate_id"],
+        payload=row["payload"],
+        created_at=row["created_at"],
+    )
+
+
+def retry_delay_seconds(platform: Platform, attempts_before: int) -> float:
+    """Real seconds until the next delivery after the (attempts_before + 1)th failure."""
+    t = platform.config.timers
+    platform_seconds = min(t.outbox_retry_max_seconds, t.outbox_retry_base_seconds * (2 ** min(attempts_before, 30)))
+    return platform.clock.real_seconds(platform_seconds)
+
+
+def relay_once(platform: Platform, deliver: Deliver, batch: int = 100) -> int:
+    """Deliver up to `batch` due events; returns how many were published. Rows another relay
+    holds are skipped, not waited for."""
+    max_attempts = platform.config.limits.outbox_max_attempts
+    published: list[UUID] = []
+    failed = 0
+    with platform.db.connection() as conn, conn.transaction():
+        with conn.cursor(row_factory=dict_row) as cur:
+            rows = cur.execute(CLAIM_DUE, {"batch": batch}).fetchall()
+            for row in rows:
+                try:
+                    deliver(envelope_of(row).to_message())
+                except Exception as e:  # any failure means: not delivered, try again later
+                    failed += 1
+                    give_up = row["attempts"] + 1 >= max_attempts
+                    logger.warning(
+                        "outbox delivery failed",
+                        extra={"event_id": str(row["event_id"]), "event_type": row["event_type"],
+                               "attempts": row["attempts"] + 1, "gave_up": give_up, "error": repr(e)},
+                    )
+                    cur.execute(
+                        MARK_DELIVERY_FAILED,
+                        {"event_id": row["event_id"], "error": repr(e)[:MAX_ERROR_CHARS], "max_attempts": max_attempts,
+                         "delay": retry_delay_seconds(platform, row["attempts"])},
+                    )
+                    if give_up:
+                        metrics.add("outbox.failed", event_type=row["event_type"])
+                else:
+                    published.append(row["event_id"])
+            if published:
+                cur.execute(MARK_PUBLISHED, {"ids": published})
+    if published:
+        metrics.add("outbox.published", len(published))
+    if failed:
+        metrics.add("outbox.delivery_errors", failed)
+    return len(published)
+
+
+def backlog(conn: psycopg.Connection) -> int:
+    """Events not yet published (due or waiting for a retry)."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return int(cur.execute(COUNT_BACKLOG).fetchone()["n"])
+
+
+def mark_processed(conn: psycopg.Connection, consumer: str, event_id: UUID | str) -> bool:
+    """Record that `consumer` handled `event_id`; False when it already had. Call it in the same
+    transaction as the consumer's effects, so a redelivered event changes nothing."""
+    return conn.execute(INSERT_PROCESSED, {"consumer": consumer, "event_id": event_id}).rowcount == 1
