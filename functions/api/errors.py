@@ -21,6 +21,9 @@ from aivedio.observability import logger
 STATUS_BY_CODE: dict[str, int] = {
     "NOT_FOUND": 404,
     "CONFLICT": 409,
+    "VALIDATION_ERROR": 422,  # aivedio.errors.InvalidRequest
+    "UNAUTHENTICATED": 401,
+    "FORBIDDEN": 403,
 }
 
 
@@ -67,9 +70,24 @@ def error_response(
     return Response(status_code=int(status), content_type=content_types.APPLICATION_JSON, body=body, headers=headers)
 
 
+def header_name(name: str) -> str:
+    """HTTP header names in their canonical spelling: "idempotency-key" -> "Idempotency-Key"."""
+    return "-".join(part[:1].upper() + part[1:].lower() for part in name.split("-"))
+
+
 def field_path(loc: Iterable[Any]) -> str:
-    """("body", "inputs", 0, "url") -> "body.inputs.0.url"."""
-    return ".".join(str(p) for p in loc)
+    """("body", "inputs", 0, "url") -> "body.inputs.0.url"; ("header", "idempotency-key") -> "header.Idempotency-Key"
+    (Powertools lowercases header names; the contract spells them canonically)."""
+    parts = [str(p) for p in loc]
+    if len(parts) >= 2 and parts[0] == "header":
+        parts[1] = header_name(parts[1])
+    return ".".join(parts)
+
+
+def field_errors(fields: Mapping[str, str], error_type: str) -> dict[str, Any]:
+    """details for an error already keyed by field path (aivedio.errors.InvalidRequest and the edge's own
+    checks): the same {fields, errors} shape request validation gives."""
+    return {"fields": dict(fields), "errors": [{"field": f, "type": error_type, "message": m} for f, m in fields.items()]}
 
 
 def validation_details(errors: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -116,7 +134,12 @@ def install(app: APIGatewayRestResolver) -> None:
         if status is None:
             logger.warning("domain error code without an HTTP status", extra={"code": e.code})
             status = 400
-        return error_response(status, e.code, e.message, e.details)
+        details = e.details
+        if status == 422:
+            # Every 422 names its fields by path, with the list form beside the map, whatever raised it.
+            fields = details.get("fields") if isinstance(details.get("fields"), dict) else {}
+            details = {**details, **field_errors(fields, e.code.lower())} if "errors" not in details else details
+        return error_response(status, e.code, e.message, details)
 
     @app.exception_handler(ServiceError)
     def _service(e: ServiceError) -> Response:

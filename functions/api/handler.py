@@ -9,7 +9,7 @@ from aws_lambda_powertools.logging import correlation_paths
 from aivedio import __version__
 from aivedio.observability import logger
 from functions.api import errors
-from functions.api.routes import health
+from functions.api.routes import auth, generations, health, wallet
 
 app = APIGatewayRestResolver(enable_validation=True)
 app.configure_openapi(
@@ -20,7 +20,7 @@ app.configure_openapi(
 )
 errors.install(app)
 
-for _router in (health.router,):
+for _router in (health.router, generations.router, wallet.router):
     app.include_router(_router)
 
 app.enable_swagger(path="/swagger")
@@ -38,4 +38,7 @@ def openapi_json():  # no return annotation: validation would try to model Respo
 
 @logger.inject_lambda_context(correlation_id_path=correlation_paths.API_GATEWAY_REST, clear_state=True)
 def lambda_handler(event: dict, context) -> dict:
+    refused = auth.gate(app, event)
+    if refused is not None:
+        return refused
     return app.resolve(event, context)

@@ -143,6 +143,26 @@ class Limits(_Strict):
     pool_shards: int = Field(default=4, gt=0, le=64)
 
 
+class Pools(_Strict):
+    """Worker pools by resource dimension (ch. 18.5.4): CPU units for transcodes, GPU units for renders."""
+
+    worker_cpu_units: int = Field(default=400, gt=0)
+    worker_gpu_units: int = Field(default=32, gt=0)
+
+
+class SchedulerConfig(_Strict):
+    base_quantum: int = Field(default=4, gt=0)  # ch. 18.6.3; quantum = base_quantum x weight
+    batch_size: int = Field(default=8, gt=0)  # claims per tenant visit
+    conservative_batch_size: int = Field(default=2, gt=0)  # when Redis is down
+    fit_scan_depth: int = Field(default=8, gt=0)  # head tasks a visit may look at
+    max_skips: int = Field(default=3, ge=0)  # then a big head task stops being skipped
+    max_debt_correction_units: int = Field(default=8, ge=0)  # cap on one task's fairness-debt correction
+    tick_budget_seconds: float = Field(default=20.0, gt=0)  # how long one tick may loop (real seconds)
+    max_idle_visits: int = Field(default=64, gt=0)  # visits without a claim before a lane is left for this tick
+    lane_order: list[str] = Field(default_factory=lambda: ["RECOVERY", "ENTERPRISE_RESERVED", "PAID_SHARED", "STANDARD",
+                                                           "EXPENSIVE", "BEST_EFFORT"])
+
+
 class PlatformConfig(_Strict):
     time_scale: float = Field(default=1.0, gt=0)
     providers: list[ProviderConfig] = Field(default_factory=lambda: [ProviderConfig(name="provider-a")], min_length=1)
@@ -150,6 +170,8 @@ class PlatformConfig(_Strict):
     prices: dict[str, ModelPrice] = Field(default_factory=dict)
     timers: Timers = Field(default_factory=Timers)
     limits: Limits = Field(default_factory=Limits)
+    pools: Pools = Field(default_factory=Pools)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
     @field_validator("lanes")
     @classmethod
@@ -221,6 +243,11 @@ class Settings(_Strict):
     log_level: str = "INFO"
     api_base_url: str = "http://127.0.0.1:8080"
     event_queue_urls: dict[str, str] = Field(default_factory=dict)  # event_type (or "*") -> SQS queue URL
+    # In AWS the environment carries no password (aivedio.cloud_credentials): the database URL names
+    # the RDS Proxy and its user, and each connection signs a fresh IAM token; the Redis password is
+    # read once from Secrets Manager at start.
+    database_iam_auth: bool = False
+    redis_secret_arn: str | None = None
 
     @property
     def redis_disabled(self) -> bool:
@@ -256,7 +283,19 @@ def settings_from_env(environ: dict[str, str] | None = None) -> Settings:
         redis_prefix=get("AIVEDIO_REDIS_PREFIX") or "av",
         log_level=get("AIVEDIO_LOG_LEVEL") or "INFO",
         api_base_url=get("AIVEDIO_API_BASE_URL") or "http://127.0.0.1:8080",
+        database_iam_auth=_flag("AIVEDIO_DATABASE_IAM_AUTH", get("AIVEDIO_DATABASE_IAM_AUTH")),
+        redis_secret_arn=get("AIVEDIO_REDIS_SECRET_ARN"),
     )
+
+
+def _flag(name: str, value: str | None) -> bool:
+    if value is None:
+        return False
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}: expected 1/true/yes/on or 0/false/no/off, got {value!r}")
 
 
 class Clock:

@@ -127,3 +127,34 @@ def test_api_error_carries_extra_fields_and_headers():
     assert status == 429
     assert doc["error"] == "REJECTED" and doc["decision"] == "REJECT_USER_RATE_LIMIT" and doc["retry_after_seconds"] == 7
     assert out.header("Retry-After") == "7"
+
+
+def test_header_fields_are_named_in_their_canonical_spelling():
+    status, doc, _ = call("POST", "/things", json.dumps({"model": "m", "duration_seconds": 5}).encode(),
+                          headers=[("Content-Type", "application/json")])
+    assert status == 422
+    assert list(doc["details"]["fields"]) == ["header.Idempotency-Key"]
+    assert errors.field_path(("header", "x-request-id")) == "header.X-Request-Id"
+
+
+@app.get("/invalid")
+def invalid():
+    from aivedio.errors import InvalidRequest
+
+    raise InvalidRequest("bad cursor", {"query.cursor": "not a cursor this API returned"})
+
+
+@app.get("/reused")
+def reused():
+    raise DomainError("used with another body", code="TEST_KEY_REUSED")
+
+
+errors.register_status(TEST_KEY_REUSED=422)
+
+
+@pytest.mark.parametrize("path, fields", [("/invalid", {"query.cursor": "not a cursor this API returned"}), ("/reused", {})])
+def test_every_422_has_fields_and_errors(path, fields):
+    status, doc, _ = call("GET", path)
+    assert status == 422
+    assert doc["details"]["fields"] == fields
+    assert [e["field"] for e in doc["details"]["errors"]] == list(fields)

@@ -7,6 +7,7 @@ from aws_lambda_powertools.event_handler.router import APIGatewayRouter
 from pydantic import BaseModel
 
 from aivedio.context import get_platform
+from functions.api.routes.schemas import errors
 
 router = APIGatewayRouter()
 
@@ -21,7 +22,9 @@ class Health(BaseModel):
     loops: dict[str, dict[str, Any]]
 
 
-@router.get("/healthz", tags=["operations"], summary="Liveness and dependency health")
+@router.get("/healthz", tags=["operations"], summary="Liveness and dependency health",
+            responses={200: {"description": "health", "content": {"application/json": {"model": Health}}},
+                       **errors(413, 422)})  # the gate's size limit applies here too; 422 replaces Powertools' own shape
 def healthz() -> Health:
     platform = get_platform()
     database = "ok" if platform.db.healthy(timeout=PROBE_TIMEOUT_SECONDS) else "down"

@@ -116,6 +116,9 @@ class _Handler(BaseHTTPRequestHandler):
 class LambdaHttpServer(ThreadingHTTPServer):
     daemon_threads = True  # a stuck keep-alive connection never blocks shutdown
     allow_reuse_address = True
+    # socketserver's default listen backlog is 5: a burst of concurrent clients (as API Gateway
+    # would pass through) overflows it and has connections reset before they reach the handler.
+    request_queue_size = 1024
 
     def __init__(self, address: tuple[str, int], lambda_handler: LambdaHandler, function_name: str = "aivedio-api"):
         self.lambda_handler = lambda_handler

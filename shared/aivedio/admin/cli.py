@@ -1,0 +1,35 @@
+"""`aivedio admin ...`: operator commands. Every write goes through the domain core and the audit log."""
+from __future__ import annotations
+
+import argparse
+import getpass
+
+from aivedio.admin.tenants import ACCOUNT_TYPES, create_tenant
+from aivedio.config import SERVICE_CLASSES
+
+
+def _tenant_create(args: argparse.Namespace) -> int:
+    from aivedio.cli import _emit, _platform
+
+    platform = _platform(args)
+    try:
+        created = create_tenant(platform, name=args.name, service_class=args.service_class, weight=args.weight,
+                                credits=args.credits, account_type=args.account_type, operator=f"cli:{getpass.getuser()}")
+    finally:
+        platform.close()
+    _emit(created.as_dict(), args.json)
+    return 0
+
+
+def register(sub) -> None:
+    admin = sub.add_parser("admin", help="operator commands").add_subparsers(dest="admin_command", required=True)
+    tenant = admin.add_parser("tenant", help="tenants").add_subparsers(dest="tenant_command", required=True)
+    c = tenant.add_parser("create", help="create a tenant, its first user, wallet and API key")
+    c.add_argument("--name", required=True)
+    c.add_argument("--service-class", required=True, choices=SERVICE_CLASSES)
+    c.add_argument("--weight", required=True, type=int)
+    c.add_argument("--credits", type=int, default=0)
+    c.add_argument("--account-type", default="PREPAID", choices=ACCOUNT_TYPES)
+    c.add_argument("--config", default=None)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=_tenant_create)

@@ -1,0 +1,56 @@
+"""Token buckets for submit and cancel rates: one short Lua script in Redis, and a PostgreSQL
+bucket when Redis is down, so a Redis outage never means admitting without limits."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from aivedio.cache.client import CacheUnavailable
+from aivedio.observability import logger
+
+
+@dataclass(frozen=True)
+class RateDecision:
+    allowed: bool
+    retry_after_seconds: int = 0
+
+
+def _refill_per_ms(per_minute: int, time_scale: float) -> float:
+    return per_minute / 60_000.0 * time_scale
+
+
+def take(platform, bucket: str, per_minute: int, cost: int = 1) -> RateDecision:
+    """Take `cost` tokens from the bucket named `bucket` whose capacity and refill are per_minute."""
+    if per_minute <= 0:
+        return RateDecision(False, 60)
+    rate = _refill_per_ms(per_minute, platform.clock.time_scale)
+    if platform.cache is not None:
+        cache = platform.cache
+        try:
+            allowed, retry_ms = cache.run(cache.script("token_bucket"), keys=[cache.key("rate", bucket)], args=[per_minute, rate, cost])
+            return RateDecision(bool(allowed), math.ceil(int(retry_ms) / 1000))
+        except CacheUnavailable as e:
+            logger.warning("redis unavailable for rate limit; using PostgreSQL bucket", extra={"bucket": bucket, "error": str(e)})
+    return _take_pg(platform, bucket, per_minute, rate, cost)
+
+
+def _take_pg(platform, bucket: str, capacity: int, rate_per_ms: float, cost: int) -> RateDecision:
+    def fn(conn):
+        conn.execute(
+            "insert into rate_limit_bucket (bucket_key, tokens, updated_at) values (%s, %s, clock_timestamp()) on conflict do nothing",
+            (bucket, capacity),
+        )
+        row = conn.execute(
+            """select tokens::float8 as tokens, extract(epoch from clock_timestamp() - updated_at) * 1000 as elapsed_ms
+                 from rate_limit_bucket where bucket_key = %s for update""",
+            (bucket,),
+        ).fetchone()
+        tokens = min(float(capacity), row["tokens"] + max(0.0, float(row["elapsed_ms"])) * rate_per_ms)
+        allowed = tokens >= cost
+        if allowed:
+            tokens -= cost
+        conn.execute("update rate_limit_bucket set tokens = %s, updated_at = clock_timestamp() where bucket_key = %s",
+                     (tokens, bucket))
+        return RateDecision(allowed, 0 if allowed else math.ceil((cost - tokens) / rate_per_ms / 1000))
+
+    return platform.db.transaction(fn)

@@ -1,0 +1,89 @@
+"""Credit lots: paid, subscription, promotional or compensation credit, each with an expiry and a
+priority. Reservations take from lots earliest-expiry first, then by priority; a release returns
+to the very lot it came from, with that lot's original expiry (ch. 20.13.7)."""
+from __future__ import annotations
+
+from datetime import datetime
+from uuid import UUID
+
+import psycopg
+
+# Lower numbers are spent first when expiries tie: promotional credit before paid credit.
+LOT_PRIORITY = {"PROMOTIONAL": 0, "COMPENSATION": 5, "SUBSCRIPTION": 10, "PAID": 20}
+
+
+class LotsExhausted(Exception):
+    """The lots hold less than the snapshot says is available: a wallet check must look."""
+
+
+def create_lot(
+    conn: psycopg.Connection,
+    *,
+    wallet: dict,
+    kind: str,
+    amount: int,
+    source_business_key: str,
+    expires_at: datetime | None = None,
+) -> UUID:
+    row = conn.execute(
+        """insert into credit_lot (wallet_id, tenant_id, kind, original_amount, remaining_amount, priority,
+                                   expires_at, source_business_key)
+           values (%s, %s, %s, %s, %s, %s, %s, %s)
+           on conflict (wallet_id, source_business_key) do nothing
+           returning lot_id""",
+        (wallet["wallet_id"], wallet["tenant_id"], kind, amount, amount, LOT_PRIORITY[kind], expires_at, source_business_key),
+    ).fetchone()
+    if row is None:
+        row = conn.execute(
+            "select lot_id from credit_lot where wallet_id = %s and source_business_key = %s",
+            (wallet["wallet_id"], source_business_key),
+        ).fetchone()
+    return row["lot_id"]
+
+
+def take_from_lots(conn: psycopg.Connection, wallet_id: UUID, amount: int, now: datetime) -> list[tuple[UUID, int]]:
+    """Move `amount` from lots' remaining to their reserved part, earliest expiry first, then
+    priority. Returns [(lot_id, amount)]. Locks the lots it reads."""
+    lots = conn.execute(
+        """select lot_id, remaining_amount from credit_lot
+            where wallet_id = %s and remaining_amount > 0 and (expires_at is null or expires_at > %s)
+            order by expires_at asc nulls last, priority asc, created_at asc, lot_id
+            for update""",
+        (wallet_id, now),
+    ).fetchall()
+    taken: list[tuple[UUID, int]] = []
+    need = amount
+    for lot in lots:
+        if need == 0:
+            break
+        part = min(need, lot["remaining_amount"])
+        taken.append((lot["lot_id"], part))
+        need -= part
+    if need:
+        raise LotsExhausted(f"wallet {wallet_id}: lots hold {amount - need} of the {amount} available")
+    with conn.cursor() as cur:
+        cur.executemany(
+            """update credit_lot set remaining_amount = remaining_amount - %s, reserved_amount = reserved_amount + %s
+                where lot_id = %s""",
+            [(part, part, lot_id) for lot_id, part in taken],
+        )
+    return taken
+
+
+def return_to_lots(conn: psycopg.Connection, parts: list[tuple[UUID, int]]) -> None:
+    """Give reserved credit back to the lots it came from (their expiry unchanged)."""
+    with conn.cursor() as cur:
+        cur.executemany(
+            """update credit_lot set remaining_amount = remaining_amount + %s, reserved_amount = reserved_amount - %s
+                where lot_id = %s""",
+            [(part, part, lot_id) for lot_id, part in parts if part],
+        )
+
+
+def consume_from_lots(conn: psycopg.Connection, parts: list[tuple[UUID, int]]) -> None:
+    """Reserved credit that was settled leaves the lot for good."""
+    with conn.cursor() as cur:
+        cur.executemany(
+            "update credit_lot set reserved_amount = reserved_amount - %s where lot_id = %s",
+            [(part, lot_id) for lot_id, part in parts if part],
+        )

@@ -1,0 +1,63 @@
+"""The task state machine: a table of legal transitions, and CAS writes on (state, version).
+Terminal states never change."""
+from __future__ import annotations
+
+from datetime import datetime
+from uuid import UUID
+
+import psycopg
+
+STATES = (
+    "QUEUED", "DISPATCHING", "SUBMITTED", "RUNNING", "SUBMIT_UNKNOWN", "CANCEL_REQUESTED",
+    "PROVIDER_SUCCEEDED", "MEDIA_PROCESSING", "SUCCEEDED", "FAILED", "CANCELLED",
+    "MEDIA_INGEST_FAILED", "MANUAL_REVIEW",
+)
+TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "QUEUED": frozenset({"DISPATCHING", "CANCELLED", "FAILED"}),
+    "DISPATCHING": frozenset({"SUBMITTED", "RUNNING", "SUBMIT_UNKNOWN", "QUEUED", "FAILED", "CANCEL_REQUESTED", "MANUAL_REVIEW"}),
+    "SUBMITTED": frozenset({"RUNNING", "PROVIDER_SUCCEEDED", "FAILED", "CANCEL_REQUESTED", "CANCELLED", "MANUAL_REVIEW"}),
+    "RUNNING": frozenset({"PROVIDER_SUCCEEDED", "FAILED", "CANCEL_REQUESTED", "CANCELLED", "MANUAL_REVIEW"}),
+    "SUBMIT_UNKNOWN": frozenset({"SUBMITTED", "RUNNING", "PROVIDER_SUCCEEDED", "FAILED", "QUEUED", "CANCEL_REQUESTED", "MANUAL_REVIEW"}),
+    "CANCEL_REQUESTED": frozenset({"CANCELLED", "PROVIDER_SUCCEEDED", "FAILED", "MANUAL_REVIEW"}),
+    "PROVIDER_SUCCEEDED": frozenset({"MEDIA_PROCESSING", "SUCCEEDED", "MEDIA_INGEST_FAILED"}),
+    "MEDIA_PROCESSING": frozenset({"SUCCEEDED", "MEDIA_INGEST_FAILED"}),
+    "MEDIA_INGEST_FAILED": frozenset({"MEDIA_PROCESSING", "SUCCEEDED", "FAILED"}),
+    "MANUAL_REVIEW": frozenset({"QUEUED", "RUNNING", "PROVIDER_SUCCEEDED", "FAILED", "CANCELLED"}),
+    "SUCCEEDED": frozenset(),
+    "FAILED": frozenset(),
+    "CANCELLED": frozenset(),
+}
+
+
+class IllegalTransition(Exception):
+    pass
+
+
+def is_terminal(state: str) -> bool:
+    return state in TERMINAL
+
+
+def cas_transition(
+    conn: psycopg.Connection,
+    *,
+    tenant_id: UUID,
+    task_id: UUID,
+    from_state: str,
+    version: int,
+    to_state: str,
+    now: datetime,
+    **fields: object,
+) -> dict | None:
+    """Move a task from (from_state, version) to to_state. Returns the new row, or None when the
+    task has moved on (another writer won): the caller decides what that means."""
+    if to_state not in TRANSITIONS[from_state]:
+        raise IllegalTransition(f"{from_state} -> {to_state}")
+    sets = "".join(f", {k} = %({k})s" for k in fields)
+    return conn.execute(
+        f"""update generation_task set state = %(to)s, version = version + 1, updated_at = %(now)s{sets}
+             where tenant_id = %(tenant_id)s and task_id = %(task_id)s and state = %(from)s and version = %(version)s
+             returning *""",
+        {"to": to_state, "now": now, "tenant_id": tenant_id, "task_id": task_id, "from": from_state, "version": version, **fields},
+    ).fetchone()

@@ -1,0 +1,124 @@
+"""Read models for the tenant API. Every query carries the tenant boundary: another tenant's id
+reads exactly like an id that does not exist."""
+from __future__ import annotations
+
+import base64
+from datetime import datetime
+from uuid import UUID
+
+from aivedio.errors import InvalidRequest, NotFound
+from aivedio.tasks import STATES
+
+
+def _iso(ts: datetime | None) -> str | None:
+    return ts.strftime("%Y-%m-%dT%H:%M:%S.%fZ") if ts else None
+
+
+def encode_cursor(ts: datetime, ident: UUID) -> str:
+    return base64.urlsafe_b64encode(f"{ts.isoformat()}|{ident}".encode()).decode()
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, UUID]:
+    try:
+        ts, ident = base64.urlsafe_b64decode(cursor.encode()).decode().split("|")
+        return datetime.fromisoformat(ts), UUID(ident)
+    except Exception:
+        raise InvalidRequest("bad cursor", {"query.cursor": "not a cursor this API returned"}) from None
+
+
+def _task_doc(conn, t: dict, *, full: bool) -> dict:
+    doc = {"task_id": str(t["task_id"]), "state": t["state"], "queue_class": t["queue_class"],
+           "created_at": _iso(t["created_at"]), "started_at": _iso(t["started_at"]), "finished_at": _iso(t["finished_at"]),
+           "model": t["model_code"], "mode": t["mode"], "duration_seconds": t["duration_seconds"], "resolution": t["resolution"]}
+    if t["error_code"] and t["state"] in ("FAILED", "MANUAL_REVIEW", "MEDIA_INGEST_FAILED", "CANCELLED"):
+        doc["error"] = {"code": t["error_code"], "message": t["error_message"] or t["error_code"]}
+    if not full:
+        return doc
+    attempts = conn.execute(
+        "select attempt_no, provider, state from task_attempt where task_id = %s order by attempt_no", (t["task_id"],)
+    ).fetchall()
+    charge = conn.execute(
+        """select c.quoted_amount, c.final_charge_amount, r.reserved_amount from generation_charge c
+             left join credit_reservation r on r.task_id = c.task_id where c.task_id = %s and c.tenant_id = %s""",
+        (t["task_id"], t["tenant_id"]),
+    ).fetchone()
+    outputs = conn.execute(
+        "select asset_type, url from task_output where task_id = %s order by created_at", (t["task_id"],)
+    ).fetchall()
+    doc["attempts"] = [dict(a) for a in attempts]
+    doc["charge"] = {"quoted_amount": charge["quoted_amount"], "reserved_amount": charge["reserved_amount"],
+                     "final_charge_amount": charge["final_charge_amount"]} if charge else None
+    doc["outputs"] = [dict(o) for o in outputs]
+    return doc
+
+
+def get_task(conn, tenant_id: UUID, task_id: UUID) -> dict:
+    t = conn.execute("select * from generation_task where tenant_id = %s and task_id = %s", (tenant_id, task_id)).fetchone()
+    if t is None:
+        raise NotFound("no such task")
+    return _task_doc(conn, t, full=True)
+
+
+def list_tasks(conn, tenant_id: UUID, *, state: str | None, limit: int, cursor: str | None) -> dict:
+    if state is not None and state not in STATES:
+        raise InvalidRequest("unknown state", {"query.state": f"one of {', '.join(STATES)}"})
+    params: dict = {"t": tenant_id, "state": state, "limit": limit + 1}
+    where = "tenant_id = %(t)s" + (" and state = %(state)s" if state else "")
+    if cursor:
+        params["cts"], params["cid"] = decode_cursor(cursor)
+        where += " and (created_at, task_id) < (%(cts)s, %(cid)s)"
+    rows = conn.execute(f"select * from generation_task where {where} order by created_at desc, task_id desc limit %(limit)s",
+                        params).fetchall()
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return {"items": [_task_doc(conn, r, full=False) for r in rows],
+            "next_cursor": encode_cursor(rows[-1]["created_at"], rows[-1]["task_id"]) if more and rows else None}
+
+
+def wallet_view(conn, tenant_id: UUID, now: datetime) -> dict:
+    w = conn.execute("select * from wallet_account where tenant_id = %s order by wallet_id limit 1", (tenant_id,)).fetchone()
+    if w is None:
+        raise NotFound("no wallet")
+    lots = conn.execute(
+        """select lot_id, kind, remaining_amount, reserved_amount, expires_at from credit_lot
+            where wallet_id = %s and (remaining_amount > 0 or reserved_amount > 0)
+            order by expires_at asc nulls last, priority, created_at""",
+        (w["wallet_id"],),
+    ).fetchall()
+    return {"wallet_id": str(w["wallet_id"]), "account_type": w["account_type"], "unit": w["unit_code"],
+            "available_amount": w["available_amount"], "reserved_amount": w["reserved_amount"],
+            "consumed_amount": w["consumed_amount"], "credit_limit_amount": w["credit_limit_amount"],
+            "frozen": w["frozen"],
+            "lots": [{"lot_id": str(l["lot_id"]), "kind": l["kind"], "remaining_amount": l["remaining_amount"],
+                      "reserved_amount": l["reserved_amount"], "expires_at": _iso(l["expires_at"]),
+                      "expired": bool(l["expires_at"] and l["expires_at"] <= now)} for l in lots]}
+
+
+def ledger_view(conn, tenant_id: UUID, *, limit: int, cursor: str | None) -> dict:
+    params: dict = {"t": tenant_id, "limit": limit + 1}
+    where = "tenant_id = %(t)s"
+    if cursor:
+        params["cts"], params["cid"] = decode_cursor(cursor)
+        where += " and (created_at, ledger_txn_id) < (%(cts)s, %(cid)s)"
+    txns = conn.execute(
+        f"""select ledger_txn_id, business_key, event_type, task_id, reservation_id, reversal_of, reason_code, created_at
+              from ledger_transaction where {where} order by created_at desc, ledger_txn_id desc limit %(limit)s""",
+        params,
+    ).fetchall()
+    more = len(txns) > limit
+    txns = txns[:limit]
+    entries: dict = {}
+    if txns:
+        for e in conn.execute(
+            """select ledger_txn_id, bucket, amount_delta, unit_code, lot_id from ledger_entry
+                where tenant_id = %s and ledger_txn_id = any(%s) order by entry_id""",
+            (tenant_id, [t["ledger_txn_id"] for t in txns]),
+        ).fetchall():
+            entries.setdefault(e["ledger_txn_id"], []).append(
+                {"bucket": e["bucket"], "amount_delta": e["amount_delta"], "unit": e["unit_code"],
+                 "lot_id": str(e["lot_id"]) if e["lot_id"] else None})
+    items = [{"ledger_txn_id": str(t["ledger_txn_id"]), "business_key": t["business_key"], "event_type": t["event_type"],
+              "task_id": str(t["task_id"]) if t["task_id"] else None, "reason_code": t["reason_code"],
+              "reversal_of": str(t["reversal_of"]) if t["reversal_of"] else None, "created_at": _iso(t["created_at"]),
+              "entries": entries.get(t["ledger_txn_id"], [])} for t in txns]
+    return {"items": items, "next_cursor": encode_cursor(txns[-1]["created_at"], txns[-1]["ledger_txn_id"]) if more and txns else None}
