@@ -31,28 +31,75 @@ class _Strict(BaseModel):
 
 class ProviderAccount(_Strict):
     account_id: str = Field(min_length=1)
-    api_key: str = "sim-key"
+    api_key: str = Field(default="sim-key", min_length=1)  # omitted: "sim-key-<account_id>", one per account
     region: str = "us"
     max_concurrency: int = Field(default=200, gt=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_key(cls, data: Any) -> Any:
+        # A provider tells accounts apart by their key, so two accounts must not share a default one.
+        if isinstance(data, dict) and data.get("api_key") is None and isinstance(data.get("account_id"), str):
+            data = {**data, "api_key": f"sim-key-{data['account_id']}"}
+        return data
+
 
 class SimulatorBehaviour(_Strict):
-    """How a built-in provider simulator misbehaves. Rates are probabilities in [0, 1]."""
+    """How a built-in provider simulator misbehaves (aivedio.providers.simulator). Rates are
+    probabilities in [0, 1]; durations are platform seconds, which the simulator divides by
+    time_scale. Every draw comes from `seed`, keyed by the idempotency key or job it concerns, so a
+    run is reproducible whatever order concurrent requests arrive in."""
 
     seed: int = 7
+    # A job waits queue_seconds in "queued", then runs latency_seconds in "running" (uniform draws).
+    queue_seconds_min: float = Field(default=0.0, ge=0)
+    queue_seconds_max: float = Field(default=1.0, ge=0)
     latency_seconds_min: float = Field(default=20.0, ge=0)
     latency_seconds_max: float = Field(default=60.0, ge=0)
     failure_rate: float = Field(default=0.02, ge=0, le=1)
-    accept_then_timeout_rate: float = Field(default=0.0, ge=0, le=1)
-    burst_429_rate: float = Field(default=0.0, ge=0, le=1)
+    failed_but_charged_rate: float = Field(default=0.0, ge=0, le=1)  # of the failed jobs, how many are charged
+    credit_note_rate: float = Field(default=0.0, ge=0, le=1)  # of the failed-but-charged, how many are credited back
+    # Submit misbehaviour, drawn for requests that create a job (a replay of a known key answers at once).
+    accept_then_timeout_rate: float = Field(default=0.0, ge=0, le=1)  # job created, then no timely answer
+    accept_then_timeout_mode: Literal["mixed", "delay", "drop"] = "mixed"  # delay past the timeout / reset
+    accept_then_timeout_hold_seconds: float | None = Field(default=None, gt=0)  # real s; None: 1.5 x submit timeout
+    server_error_rate: float = Field(default=0.0, ge=0, le=1)  # a 5xx; half of them after creating the job
+    burst_429_rate: float = Field(default=0.0, ge=0, le=1)  # chance that a submit starts a 429 burst on its account
+    burst_429_seconds: float = Field(default=5.0, ge=0)  # how long a burst lasts
+    retry_after_seconds: int = Field(default=1, ge=0)  # Retry-After when an account is at max_concurrency
+    # Webhooks: dropped, duplicated (same webhook-id), each copy delayed uniformly (so reordered).
     webhook_drop_rate: float = Field(default=0.0, ge=0, le=1)
     webhook_duplicate_rate: float = Field(default=0.0, ge=0, le=1)
     webhook_delay_seconds_max: float = Field(default=0.0, ge=0)
-    failed_but_charged_rate: float = Field(default=0.0, ge=0, le=1)
+    webhook_max_attempts: int = Field(default=5, gt=0)  # a copy the receiver refuses is retried with backoff
+    # Invoices: a line may be listed twice (same line_id), or only on the next UTC day's invoice.
+    invoice_duplicate_rate: float = Field(default=0.0, ge=0, le=1)
+    invoice_late_rate: float = Field(default=0.0, ge=0, le=1)
     cancellation_fee: str = "0.0500"
     cost_per_second: str = "0.0500"
     currency: str = "USD"
-    idempotency_window_seconds: int = Field(default=86400, gt=0)
+    idempotency_window_seconds: int = Field(default=86400, gt=0)  # advertised at /v1/meta and honoured
+
+    @field_validator("cancellation_fee", "cost_per_second")
+    @classmethod
+    def _amount(cls, v: str) -> str:
+        from decimal import Decimal, InvalidOperation
+
+        try:
+            d = Decimal(v)
+        except InvalidOperation:
+            raise ValueError(f"expected a decimal string, got {v!r}") from None
+        if not d.is_finite() or d < 0:
+            raise ValueError(f"expected a non-negative decimal string, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "SimulatorBehaviour":
+        if self.latency_seconds_max < self.latency_seconds_min:
+            raise ValueError("latency_seconds_max must be >= latency_seconds_min")
+        if self.queue_seconds_max < self.queue_seconds_min:
+            raise ValueError("queue_seconds_max must be >= queue_seconds_min")
+        return self
 
 
 class ProviderConfig(_Strict):

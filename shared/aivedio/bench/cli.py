@@ -8,6 +8,7 @@ import os
 def _bench(args: argparse.Namespace) -> int:
     from aivedio.bench.admission import bench_admission
     from aivedio.bench.pgbench import run_pgbench
+    from aivedio.bench.scheduler import bench_scheduler
     from aivedio.cli import _emit
     from aivedio.config import settings_from_env
     from aivedio.context import resolve_urls
@@ -22,6 +23,9 @@ def _bench(args: argparse.Namespace) -> int:
         adm = bench_admission(db_url, redis_url, workers=workers, clients=clients, seconds=args.seconds)
         ratio = round(adm["sustained"]["accepted_per_second"] / pg["tps"], 3) if pg.get("tps") else None
         report["admission"] = {**adm, "baseline_pgbench_tpcb_like": pg, "ratio_vs_pgbench": ratio, "target_ratio": 0.5}
+    if args.only in (None, "scheduler"):
+        schedulers = args.schedulers or max(2, cpus + 1)
+        report["scheduler"] = bench_scheduler(db_url, redis_url, workers=schedulers, seconds=args.seconds)
     _emit(report, args.json)
     return 0
 
@@ -32,5 +36,6 @@ def register(sub) -> None:
     b.add_argument("--seconds", type=float, default=10.0)
     b.add_argument("--workers", type=int, default=None, help="API processes (Lambda instances)")
     b.add_argument("--clients", type=int, default=None, help="concurrent load clients, and pgbench clients")
-    b.add_argument("--only", choices=["admission"], default=None)
+    b.add_argument("--schedulers", type=int, default=None, help="scheduler processes (tick replicas), and their pgbench clients")
+    b.add_argument("--only", choices=["admission", "scheduler"], default=None)
     b.set_defaults(fn=_bench)

@@ -7,6 +7,7 @@ run in Lambda, unchanged."""
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import signal
 import sys
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aivedio import events_routing
+from aivedio.bootstrap import apply_config
 from aivedio.config import ConfigError, Settings, load_config
 from aivedio.context import Platform, build_platform, set_platform
 from aivedio.db.pool import redact
@@ -79,8 +82,8 @@ class Loop:
     fn: Callable[[], Any]
 
 
-# Each factory adds the loops of one capability. Later capabilities append theirs
-# (scheduler tick, reconcilers, ...) with @loop_factory.
+# Each factory adds loops. Periodic Lambda handlers belong in aivedio.events_routing.SCHEDULES, which
+# makes their loop here and their EventBridge schedule in AWS; a factory is for loops with no AWS twin.
 LoopFactory = Callable[[Platform], Iterable[Loop]]
 LOOP_FACTORIES: list[LoopFactory] = []
 
@@ -91,8 +94,45 @@ def loop_factory(fn: LoopFactory) -> LoopFactory:
 
 
 @loop_factory
-def _outbox_relay(platform: Platform) -> Iterator[Loop]:
-    yield Loop("outbox-relay", platform.config.timers.outbox_relay_seconds, scheduled("outbox-relay", "functions.outbox_relay.handler"))
+def _scheduled(platform: Platform) -> Iterator[Loop]:
+    """One loop per EventBridge schedule of aivedio.events_routing.SCHEDULES (the CDK app reads the
+    same table), at the interval the config file gives it."""
+    for s in events_routing.SCHEDULES:
+        yield Loop(s.name, s.local_interval(platform.config), scheduled(s.name, s.module))
+
+
+# Event type -> the SQS-consuming Lambda handler that SQS would invoke with it in AWS; the table is
+# aivedio.events_routing.SUBSCRIPTIONS, which the CDK app turns into queues.
+SUBSCRIPTIONS: list[tuple[str, str]] = [(s.event_type, s.module) for s in events_routing.SUBSCRIPTIONS]
+
+
+def sqs_consumer(module: str) -> Callable[[dict], None]:
+    """Deliver one outbox envelope to an SQS-consuming handler as a one-record SQS event. A
+    reported batch item failure raises, so the relay delivers it again (as SQS would)."""
+    handler = load_handler(module)
+    name = module.split(".")[-2]
+
+    def deliver(envelope: dict) -> None:
+        event = {"Records": [{"messageId": envelope["event_id"], "receiptHandle": "local", "body": json.dumps(envelope),
+                              "attributes": {"ApproximateReceiveCount": "1"}, "messageAttributes": {},
+                              "eventSource": "aws:sqs", "eventSourceARN": f"arn:aws:sqs:local:{ACCOUNT_ID}:aivedio-{name}",
+                              "awsRegion": "local"}]}
+        result = handler(event, FakeLambdaContext(f"aivedio-{name}", timeout_seconds=SCHEDULED_TIMEOUT_SECONDS)) or {}
+        if result.get("batchItemFailures"):
+            raise consumers.DeliveryFailed(f"{name} failed {envelope['event_type']} {envelope['event_id']}")
+
+    deliver.__name__ = f"sqs:{module}"
+    return deliver
+
+
+_subscribed: dict[str, Callable[[dict], None]] = {}
+
+
+def subscribe_all() -> None:
+    for event_type, module in SUBSCRIPTIONS:
+        if module not in _subscribed:
+            _subscribed[module] = sqs_consumer(module)
+        consumers.register(event_type, _subscribed[module])
 
 
 def default_loops(platform: Platform) -> list[Loop]:
@@ -155,6 +195,10 @@ class LocalRuntime:
         p = self.platform
         set_platform(p)  # the handlers find the platform through get_platform(), as in Lambda
         p.extras["outbox_deliver"] = consumers.deliver
+        p.extras["local_runtime"] = True
+        with p.db.connection() as conn:
+            apply_config(conn, p.config, p.clock)
+        subscribe_all()
         p.extras.setdefault("loop_status", {})
         loops = default_loops(p) if self._loops is None else self._loops
         p.extras["wake"] = {loop.name: threading.Event() for loop in loops}

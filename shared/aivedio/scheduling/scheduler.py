@@ -1,0 +1,292 @@
+"""The fair scheduler (ch. 18.4-18.7, 18.12-18.13; the fair-queue article).
+
+A tick walks the lanes in order; in each lane it takes tenants from the ring of active tenants and
+runs Deficit Round Robin over cost units: a visit adds quantum = base_quantum x weight (less any
+fairness debt) to the tenant's deficit, capped at quantum x burst_rounds, then claims the tenant's
+head tasks (priority band, then FIFO) while their units fit the deficit. Each visit is one
+transaction that locks the tenant's DRR row (SKIP LOCKED, so replicas never serve one tenant twice
+at once), claims under savepoints, and stores the new deficit with the claims it paid for."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from uuid import UUID
+
+import psycopg
+
+from aivedio.observability import logger, metrics
+from aivedio.scheduling import router
+from aivedio.scheduling.claim import ENTERPRISE, LENDER_KEY, Claimed, NoRoom, claim
+from aivedio.scheduling.resources import free_units, preferred_shard
+from aivedio.scheduling.ring import Ring
+
+# Lanes whose tasks may borrow the enterprise lane's idle capacity (bounded by borrowable_units).
+BORROWERS = ("PAID_SHARED", "STANDARD")
+PAUSED_WHEN_CONSERVATIVE = ("BEST_EFFORT", "EXPENSIVE")
+
+
+@dataclass
+class VisitResult:
+    outcome: str  # CLAIMED, CREDITED (banked deficit only), EMPTY, BUSY, CAPPED, SKIPPED, BLOCKED, FULL
+    claims: list[Claimed] = field(default_factory=list)
+    more: bool = False  # the batch filled while deficit remains: the tenant's turn continues
+    pending: bool = False  # stopped by shared capacity (FULL, or a BLOCKED head that holds the lane) with deficit left
+
+
+@dataclass
+class TickReport:
+    claims: int = 0
+    visits: int = 0
+    conservative: bool = False
+    by_lane: dict[str, int] = field(default_factory=dict)
+
+
+def _policy(conn, tenant_id: UUID) -> dict:
+    return conn.execute("select * from tenant_scheduling_policy where tenant_id = %s", (tenant_id,)).fetchone()
+
+
+def head_tasks(conn, lane: str, tenant_id: UUID, now, limit: int) -> list[dict]:
+    """A tenant's next tasks in a lane: best priority band first, FIFO within a band."""
+    return conn.execute(
+        """select * from generation_task
+            where state = 'QUEUED' and queue_class = %s and tenant_id = %s and next_eligible_at <= %s
+            order by priority_band, next_eligible_at, enqueue_at limit %s""",
+        (lane, tenant_id, now, limit),
+    ).fetchall()
+
+
+def _can_ever_fit(conn, key: str, task: dict) -> bool:
+    """Whether the task's demand on `key` fits one shard of it when that shard is empty."""
+    units = task["fairness_units"] if key.startswith("lane:") else task["provider_slot_units"]
+    row = conn.execute(
+        """select coalesce(max(least(capacity_units, coalesce(limit_units, capacity_units))), 0)::bigint as m
+             from resource_pool_shard where resource_key = %s""", (key,)).fetchone()
+    return int(row["m"]) >= units
+
+
+class LaneView:
+    """What one tick knows about a lane's capacity, including the enterprise lane it may borrow."""
+
+    def __init__(self, platform, conn, lane: str):
+        self.platform, self.lane = platform, lane
+        cfg = platform.config.lanes
+        self.free = free_units(conn, f"lane:{lane}")
+        self.can_borrow = False
+        if lane in BORROWERS and cfg[ENTERPRISE].borrowable_units > 0:
+            # Reserved demand returning stops new borrowing at once; running borrowed work finishes.
+            # The lane is a literal, not a parameter: once psycopg prepares the statement, PostgreSQL's
+            # generic plan for `queue_class = $1` seq-scanned generation_task (the lane's rows are rare).
+            reserved_waiting = conn.execute(
+                f"select exists(select 1 from generation_task where state = 'QUEUED' and queue_class = '{ENTERPRISE}') as w"
+            ).fetchone()["w"]
+            ent_free = free_units(conn, f"lane:{ENTERPRISE}")
+            lend_room = free_units(conn, LENDER_KEY)
+            self.borrow_room = min(lend_room, max(0, ent_free - cfg[ENTERPRISE].min_headroom_units))
+            self.can_borrow = not reserved_waiting and self.borrow_room > 0
+
+    @property
+    def has_room(self) -> bool:
+        return self.free > 0 or self.can_borrow
+
+
+class Scheduler:
+    def __init__(self, platform):
+        self.platform = platform
+        self.ring = Ring(platform)
+        self.cfg = platform.config.scheduler
+        self._ensured: set[tuple[str, int]] = set()
+        # lane -> tenant whose turn was cut short by capacity; the lane's next visit continues it.
+        self._resume: dict[str, UUID] = {}
+
+    # -- one tenant visit ---------------------------------------------------------------------
+    def visit(self, lane: str, tenant_id: UUID, view: LaneView, conservative: bool, continuation: bool = False) -> VisitResult:
+        """One DRR turn (or, with continuation, the rest of a turn cut short by the batch size: no
+        new quantum, so batching never changes the shares)."""
+        p = self.platform
+        batch = self.cfg.conservative_batch_size if conservative else self.cfg.batch_size
+
+        def tx(conn: psycopg.Connection) -> VisitResult:
+            now = p.clock.now()
+            conn.execute("insert into drr_lane_tenant (lane, tenant_id, deficit, active) values (%s, %s, 0, false) on conflict do nothing",
+                         (lane, tenant_id))
+            st = conn.execute("select * from drr_lane_tenant where lane = %s and tenant_id = %s for update skip locked",
+                              (lane, tenant_id)).fetchone()
+            if st is None:
+                return VisitResult("BUSY")
+            policy = _policy(conn, tenant_id)
+            heads = head_tasks(conn, lane, tenant_id, now, self.cfg.fit_scan_depth)
+            if not heads:
+                conn.execute("update drr_lane_tenant set active = false, updated_at = %s where lane = %s and tenant_id = %s",
+                             (now, lane, tenant_id))
+                return VisitResult("EMPTY")
+            quantum = self.cfg.base_quantum * policy["weight"]
+            deficit = st["deficit"]
+            if not st["active"]:  # back from empty: no hoarded credit beyond the initial burst (ch. 18.6.4)
+                deficit = min(deficit, policy["initial_burst_credit"])
+            debt_paid = min(st["fairness_debt"], quantum // 2)
+            cap = max(quantum * max(1, policy["burst_rounds"]), max(h["fairness_units"] for h in heads))
+            if continuation:
+                debt_paid = 0
+            else:
+                deficit = min(deficit + quantum - debt_paid, cap)
+            claims: list[Claimed] = []
+            outcome = "CREDITED"
+            pending = False
+            too_big: int | None = None  # units of a head that did not fit the room left this visit
+            # One shard index for every claim of this visit (see claim()): a per-task shard made two
+            # concurrent batches lock shards in opposite orders and deadlock. Varies per visit.
+            prefer = preferred_shard(tenant_id) + st["visits"]
+            tier = lane if lane in ("EXPENSIVE", "RECOVERY") else policy["service_class"]
+            for i, task in enumerate(heads):
+                if len(claims) >= batch or task["fairness_units"] > deficit:
+                    break
+                if too_big is not None and task["fairness_units"] >= too_big:
+                    continue  # fails the same way as the head that just did not fit
+                if not view.has_room:
+                    outcome, pending = "FULL", True  # as below, without a claim that must fail
+                    break
+                try:
+                    c = self._claim_one(conn, task, policy, view, tier, now, prefer)
+                except NoRoom as e:
+                    if e.key == "task:moved":
+                        continue
+                    if e.tenant_bound:
+                        outcome = "CAPPED"
+                        break
+                    if free_units(conn, e.key) <= 0:
+                        # The lane (or provider) is full: no task of any size fits, so this is not a
+                        # skip. The turn pauses with its deficit and resumes when room frees.
+                        outcome, pending = "FULL", True
+                        break
+                    # Fit scan (ch. 18.6.7): skip a task that does not fit, in favour of this tenant's
+                    # smaller tasks behind it, a bounded number of times; then stop skipping it so it
+                    # is not starved by them.
+                    smaller_behind = any(h["fairness_units"] < task["fairness_units"] for h in heads[i + 1:])
+                    if smaller_behind and task["skip_count"] < self.cfg.max_skips:
+                        outcome = "SKIPPED"
+                        too_big = task["fairness_units"]
+                        conn.execute("update generation_task set skip_count = skip_count + 1 where task_id = %s and state = 'QUEUED'",
+                                     (task["task_id"],))
+                        continue
+                    # The turn waits for it and holds the lane: nothing else is claimed there until it
+                    # fits. Handing the room to other tenants instead starves it: they fill every unit
+                    # that frees, one by one (the simulation measured 8-unit tasks at 0.74 of their
+                    # fair share). A head that can never fit does not hold the lane.
+                    self._intervene(conn, lane, task, "HEAD_BLOCKED", {"resource": e.key, "skips": task["skip_count"]})
+                    outcome = "BLOCKED"
+                    pending = _can_ever_fit(conn, e.key, task)
+                    break
+                claims.append(c)
+                if c.capacity_mode == "BORROWED":  # the view's lending room shrinks claim by claim, so
+                    view.borrow_room -= c.units  # one visit cannot lend into min_headroom_units
+                    view.can_borrow = view.borrow_room > 0
+                deficit -= c.units
+            served = sum(c.units for c in claims)
+            conn.execute(
+                """update drr_lane_tenant set deficit = %s, fairness_debt = fairness_debt - %s, active = true,
+                          served_units = served_units + %s, visits = visits + 1, last_active_at = %s, updated_at = %s
+                    where lane = %s and tenant_id = %s""",
+                (max(0, deficit), debt_paid, served, now, now, lane, tenant_id),
+            )
+            more = len(claims) >= batch and len(heads) > len(claims) and heads[len(claims)]["fairness_units"] <= deficit
+            return VisitResult("CLAIMED" if claims else outcome, claims, more, pending or more)
+
+        result = p.db.transaction(tx)
+        if result.outcome == "EMPTY":
+            self.ring.remove(lane, tenant_id)
+        for c in result.claims:
+            view.free -= c.units if c.capacity_mode == "NORMAL" else 0
+            metrics.add("claims", lane=lane)
+        return result
+
+    def _claim_one(self, conn, task: dict, policy: dict, view: LaneView, tier: str, now, prefer: int | None = None) -> Claimed:
+        routes = router.route(self.platform, task, tier)
+        if not routes:
+            raise NoRoom("provider:none")
+        lease = self.platform.clock.real_seconds(self.platform.config.timers.lease_seconds)
+        shards = self.platform.config.limits.pool_shards
+        last: NoRoom | None = None
+        options = [(f"lane:{task['queue_class']}", False)]
+        if view.can_borrow and task["queue_class"] in BORROWERS and task["fairness_units"] <= view.borrow_room:
+            options.append((f"lane:{ENTERPRISE}", True))
+        for lane_key, borrowed in options:
+            for r in routes:
+                try:
+                    return claim(conn, task, r, policy, lane_key=lane_key, borrowed=borrowed, shards=shards,
+                                 lease_seconds=lease, now=now, ensured=self._ensured, prefer=prefer)
+                except NoRoom as e:
+                    last = e
+                    if e.tenant_bound or e.key == "task:moved":
+                        raise
+                    if e.key.startswith("lane:") or e.key == LENDER_KEY:
+                        break  # another provider will not make the lane bigger
+        raise last or NoRoom("provider:none")
+
+    def _intervene(self, conn, lane: str, task: dict, kind: str, detail: dict) -> None:
+        import json
+
+        conn.execute(
+            """insert into scheduler_intervention (lane, tenant_id, task_id, kind, detail)
+               select %s, %s, %s, %s, %s
+                where not exists (select 1 from scheduler_intervention where task_id = %s and kind = %s)""",
+            (lane, task["tenant_id"], task["task_id"], kind, json.dumps(detail), task["task_id"], kind),
+        )
+        logger.info("scheduler intervention", extra={"lane": lane, "tenant_id": str(task["tenant_id"]),
+                                                     "task_id": str(task["task_id"]), "kind": kind, **detail})
+
+    # -- a tick ---------------------------------------------------------------------------------
+    def tick(self, budget_seconds: float | None = None, lanes: list[str] | None = None) -> TickReport:
+        p = self.platform
+        deadline = time.monotonic() + (budget_seconds if budget_seconds is not None else self.cfg.tick_budget_seconds)
+        report = TickReport()
+        for lane in lanes or self.cfg.lane_order:
+            use_redis = self.ring.redis_ready(lane)
+            if not use_redis and p.cache is not None:
+                with p.db.connection() as conn:
+                    self.ring.rebuild(conn, lane)  # a flushed index is rebuilt; this tick stays conservative
+            conservative = not use_redis
+            report.conservative |= conservative
+            if conservative and lane in PAUSED_WHEN_CONSERVATIVE:
+                continue
+            report.by_lane[lane] = self._run_lane(lane, use_redis, conservative, deadline, report)
+        report.claims = sum(report.by_lane.values())
+        return report
+
+    def _run_lane(self, lane: str, use_redis: bool, conservative: bool, deadline: float, report: TickReport) -> int:
+        p = self.platform
+        claimed = idle = 0
+        with p.db.connection() as conn:
+            view = LaneView(p, conn, lane)
+            ring_size = self.ring.size(lane, use_redis)
+        limit_idle = min(self.cfg.max_idle_visits, (ring_size or self.cfg.max_idle_visits) + 1)
+        while time.monotonic() < deadline and view.has_room:
+            # DRR keeps its pointer on a tenant until its deficit is spent: a turn cut short by
+            # capacity resumes first, as a continuation (no new quantum). Rotating the ring on every
+            # freed slot instead gave each backlogged tenant one slot per turn, whatever its weight.
+            resumed = self._resume.pop(lane, None)
+            if resumed is not None:
+                tenant = resumed
+            else:
+                with p.db.connection() as conn:
+                    tenant = self.ring.next(conn, lane, use_redis)
+            if tenant is None:
+                break
+            r = self.visit(lane, tenant, view, conservative, continuation=resumed is not None)
+            report.visits += 1
+            while r.more and view.has_room and time.monotonic() < deadline:
+                claimed += len(r.claims)
+                r = self.visit(lane, tenant, view, conservative, continuation=True)
+            if r.claims:
+                claimed += len(r.claims)
+                idle = 0
+            elif r.outcome != "CREDITED":  # a visit that only banked deficit is progress too
+                idle += 1
+            if r.pending and (not r.more or not view.has_room):
+                self._resume[lane] = tenant
+                break
+            if idle >= limit_idle:
+                break
+            if r.claims or idle % 8 == 7:
+                with p.db.connection() as conn:
+                    view = LaneView(p, conn, lane)
+        return claimed
