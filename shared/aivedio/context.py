@@ -10,7 +10,7 @@ from typing import Any
 
 from aivedio.cache.client import Cache, connect_cache_or_fail
 from aivedio.config import Clock, PlatformConfig, Settings, load_config, settings_from_env
-from aivedio.db.pool import Database, connect_or_fail
+from aivedio.db.pool import Database, connect_or_fail, with_password
 
 
 @dataclass
@@ -35,7 +35,8 @@ class Platform:
 
 
 def resolve_urls(settings: Settings) -> tuple[str, str | None]:
-    """The database and Redis URLs to use, starting embedded servers where none is given."""
+    """The database and Redis URLs to use, starting embedded servers where none is given. A Redis
+    secret (AWS) supplies the credentials the URL in the environment leaves out."""
     from aivedio.local import embedded
 
     db_url = settings.database_url or embedded.embedded_postgres_url(settings.home)
@@ -43,7 +44,20 @@ def resolve_urls(settings: Settings) -> tuple[str, str | None]:
         redis_url = None
     else:
         redis_url = settings.redis_url or embedded.embedded_redis_url(settings.home)
+        if settings.redis_secret_arn:
+            from aivedio.cloud_credentials import redis_url_with_secret
+
+            redis_url = redis_url_with_secret(redis_url, settings.redis_secret_arn)
     return db_url, redis_url
+
+
+def database_password(settings: Settings, db_url: str):
+    """None, or the provider of a fresh RDS IAM token per connection (AWS, through RDS Proxy)."""
+    if not settings.database_iam_auth:
+        return None
+    from aivedio.cloud_credentials import rds_iam_password
+
+    return rds_iam_password(db_url)
 
 
 def build_platform(
@@ -57,13 +71,14 @@ def build_platform(
     settings = settings or settings_from_env()
     config = config or load_config(settings.config_file)
     db_url, redis_url = resolve_urls(settings)
-    connect_or_fail(db_url)
+    password = database_password(settings, db_url)
+    connect_or_fail(db_url, password=password)
     if migrate:
         from aivedio.db.migrate import migrate as run_migrations
 
-        run_migrations(db_url)
+        run_migrations(db_url if password is None else with_password(db_url, password()))
     cache = connect_cache_or_fail(redis_url, settings.redis_prefix) if redis_url else None
-    db = Database(db_url, max_size=pool_size)
+    db = Database(db_url, max_size=pool_size, password=password)
     return Platform(settings, config, clock or Clock(config.time_scale), db, cache)
 
 

@@ -34,10 +34,27 @@ def redact(url: str) -> str:
     return url
 
 
-def connect_or_fail(url: str, timeout: float = 5.0) -> None:
+def with_password(url: str, password: str) -> str:
+    """The URL with this password (percent-encoded) in its user info."""
+    from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    user = unquote(parts.username or "")
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+PasswordProvider = Callable[[], str]  # called for each new connection (IAM tokens expire)
+
+
+def connect_or_fail(url: str, timeout: float = 5.0, password: PasswordProvider | None = None) -> None:
     """Fail at start with one clear line when the database cannot be reached."""
+    extra = {"password": password()} if password is not None else {}
     try:
-        with psycopg.connect(url, connect_timeout=max(1, int(timeout))) as c:
+        with psycopg.connect(url, connect_timeout=max(1, int(timeout)), **extra) as c:
             c.execute("select 1")
     except psycopg.Error as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -48,13 +65,16 @@ class Database:
     """A pool of connections that yield dict rows. Each writer takes a connection from here or
     is handed one by its caller, so several writes compose into one commit."""
 
-    def __init__(self, url: str, min_size: int = 1, max_size: int = 10, name: str = "aivedio"):
+    def __init__(self, url: str, min_size: int = 1, max_size: int = 10, name: str = "aivedio",
+                 password: PasswordProvider | None = None):
         self.url = url
+        base = {"row_factory": dict_row, "autocommit": True}
         self.pool = ConnectionPool(
             url,
             min_size=min_size,
             max_size=max_size,
-            kwargs={"row_factory": dict_row, "autocommit": True},
+            # A password provider is asked again for every new connection (psycopg_pool >= 3.3).
+            kwargs=base if password is None else (lambda: {**base, "password": password()}),
             name=name,
             open=True,
             timeout=30,

@@ -1,0 +1,194 @@
+"""Every handler under functions/ becomes a Lambda function: found in the tree, each with its own
+role that starts empty and is granted only what its profile says it uses, the one shared layer
+(build/layer, see layers/build.py), the functions/ tree as code, a log group with retention, X-Ray
+tracing, and reserved concurrency where the stage bounds it.
+
+A new function needs a line in PROFILES: synthesis fails for a handler without one, so nothing is
+deployed with access it was not given on purpose. Queue consumers and schedules are not declared
+here: they come from aivedio.events_routing (infra_cdk/messaging.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from aws_cdk import Duration, RemovalPolicy
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_logs as logs
+from constructs import Construct
+
+from aivedio import metrics_catalog
+from infra_cdk.nag import suppress
+from infra_cdk.network import EGRESS, ISOLATED
+from infra_cdk.stages import ROOT, StageConfig
+from layers import build as layer_build
+
+FUNCTIONS_DIR = ROOT / "functions"
+RUNTIME = lambda_.Runtime("python" + layer_build.PYTHON_VERSION, lambda_.RuntimeFamily.PYTHON)
+ARCHITECTURE = lambda_.Architecture.X86_64 if layer_build.ARCHITECTURE == "x86_64" else lambda_.Architecture.ARM_64
+
+
+@dataclass(frozen=True)
+class FunctionProfile:
+    """What one function uses. Everything defaults to nothing but logs and tracing."""
+
+    description: str
+    memory_mb: int = 512
+    timeout_seconds: int = 60
+    database: bool = False  # rds-db:connect on the proxy, and the network path to it
+    redis: bool = False  # read the Redis user secret, and the network path to the cache
+    internet: bool = False  # placed in subnets with a NAT route (else isolated)
+    publishes_events: bool = False  # sqs:SendMessage on every event queue (the outbox relay)
+    media_read_prefixes: tuple[str, ...] = ()  # s3:GetObject on these key prefixes of the media bucket
+    media_write_prefixes: tuple[str, ...] = ()
+    api: bool = False  # fronted by API Gateway
+    migrates: bool = False  # invoked by the schema-migration custom resource
+
+
+PROFILES: dict[str, FunctionProfile] = {
+    "api": FunctionProfile(
+        "HTTP API behind API Gateway: admission, generations, wallet",
+        memory_mb=1024, timeout_seconds=29, database=True, redis=True, api=True,
+        # Admission probes input media (aivedio.media.probe): https:// URLs need the internet,
+        # s3:// inputs are read from the media bucket's uploads.
+        internet=True, media_read_prefixes=("inputs/",)),
+    "outbox_relay": FunctionProfile(
+        "Publishes outbox events to their SQS queues", timeout_seconds=60, database=True, publishes_events=True),
+    "scheduler_tick": FunctionProfile(
+        "Scheduling tick: lane, tenant by DRR, atomic claims", memory_mb=1024, timeout_seconds=60,
+        database=True, redis=True),
+    "scheduler_maintenance": FunctionProfile(
+        "Aging, starvation detector, queue-index rebuild", timeout_seconds=120, database=True, redis=True),
+    "queue_indexer": FunctionProfile(
+        "Consumes TaskQueued: puts the tenant on its lane's ring", timeout_seconds=30, database=True, redis=True),
+    "db_migrate": FunctionProfile(
+        "Applies schema migrations on deploy (custom resource)", timeout_seconds=600, database=True, migrates=True),
+}
+
+
+def discover(directory: Path = FUNCTIONS_DIR) -> list[str]:
+    """The function names: every directory under functions/ with a handler.py."""
+    return sorted(p.parent.name for p in directory.glob("*/handler.py"))
+
+
+def handler_path(name: str) -> str:
+    return f"functions.{name}.handler.lambda_handler"
+
+
+def functions_code() -> lambda_.Code:
+    """The functions/ tree, with the repository root as asset root so handlers import as
+    functions.<name>.handler (as locally). Nothing else of the repository goes in."""
+    return lambda_.Code.from_asset(
+        str(ROOT),
+        # Glob patterns do not match dot-files with "*": ".*" keeps .git, .venv and the like out.
+        exclude=["*", ".*", "!functions", "!functions/**", "**/__pycache__", "**/*.pyc"],
+    )
+
+
+def layer_code(mode: str) -> lambda_.Code:
+    """`build` (default): build/layer from layers/build.py, with the aivedio package refreshed from
+    shared/ now, so a synth never ships a stale core. `stub`: an empty layer, for tests and for
+    looking at templates without the download; not deployable."""
+    if mode == "stub":
+        stub = ROOT / "build" / "layer-stub" / "python"
+        stub.mkdir(parents=True, exist_ok=True)
+        (stub / "README.txt").write_text("Stub layer (-c layer=stub): synthesis only, not deployable.\n")
+        return lambda_.Code.from_asset(str(stub.parent))
+    if mode != "build":
+        raise ValueError(f"-c layer={mode!r}: expected build or stub")
+    site = layer_build.SITE_DIR
+    if not site.is_dir() or not layer_build.STAMP.exists():
+        raise SystemExit(f"{layer_build.LAYER_DIR} is missing: run `make layer` (python layers/build.py), "
+                         "or synthesize with -c layer=stub")
+    if layer_build.STAMP.read_text() != layer_build._stamp(layer_build.runtime_requirements()):
+        raise SystemExit("the layer's dependencies changed in pyproject.toml: run `make layer` again")
+    layer_build.copy_package()
+    return lambda_.Code.from_asset(str(layer_build.LAYER_DIR), exclude=[".deps-stamp"])
+
+
+class AppFunction(Construct):
+    """One function, its role, log group and security group."""
+
+    def __init__(self, scope: Construct, name: str, *, stage: StageConfig, profile: FunctionProfile,
+                 code: lambda_.Code, layer: lambda_.ILayerVersion, vpc: ec2.IVpc,
+                 environment: dict[str, str]) -> None:
+        super().__init__(scope, name)
+        self.name, self.profile = name, profile
+        function_name = f"{stage.prefix}-{name.replace('_', '-')}"
+        self.log_group = logs.LogGroup(self, "Logs", log_group_name=f"/aws/lambda/{function_name}",
+                                       retention=stage.log_retention, removal_policy=stage.removal_policy)
+        self.role = iam.Role(self, "Role", assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"),
+                             description=f"{function_name}: only what {name} uses")
+        # Logs to its own group only (no AWS managed policy).
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["logs:CreateLogStream", "logs:PutLogEvents"], resources=[self.log_group.log_group_arn]))
+        # A function in a VPC manages its ENIs; EC2 offers no resource-level permissions for these.
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["ec2:CreateNetworkInterface", "ec2:DescribeNetworkInterfaces", "ec2:DeleteNetworkInterface",
+                     "ec2:AssignPrivateIpAddresses", "ec2:UnassignPrivateIpAddresses"],
+            resources=["*"]))
+        self.sg = ec2.SecurityGroup(self, "Sg", vpc=vpc, allow_all_outbound=True,
+                                    description=f"{function_name}: outbound only")
+        env = {
+            "POWERTOOLS_SERVICE_NAME": metrics_catalog.SERVICE,
+            "POWERTOOLS_METRICS_NAMESPACE": metrics_catalog.NAMESPACE,
+            "AIVEDIO_LOG_LEVEL": "INFO",
+            "AIVEDIO_STAGE": stage.name,
+            **environment,
+        }
+        self.function = lambda_.Function(
+            self, "Function",
+            function_name=function_name,
+            description=profile.description,
+            runtime=RUNTIME, architecture=ARCHITECTURE,
+            handler=handler_path(name), code=code, layers=[layer],
+            role=self.role, log_group=self.log_group,
+            memory_size=profile.memory_mb, timeout=Duration.seconds(profile.timeout_seconds),
+            vpc=vpc, vpc_subnets=EGRESS if profile.internet else ISOLATED, security_groups=[self.sg],
+            reserved_concurrent_executions=stage.reserved_concurrency.get(name),
+            tracing=lambda_.Tracing.ACTIVE,
+            environment=env,
+        )
+        suppress(self.role, ("AwsSolutions-IAM5", "Lambda ENI management in a VPC and X-Ray PutTraceSegments/"
+                                                  "PutTelemetryRecords support no resource-level permissions, so they "
+                                                  "take Resource '*'; every other statement names its resources.",
+                             ["Resource::*"]), children=True)
+        suppress(self.function, ("AwsSolutions-L1", f"Pinned to python{layer_build.PYTHON_VERSION}, the version the "
+                                                    "shared layer's binary wheels are built for (layers/build.py "
+                                                    "PYTHON_VERSION); both move together."))
+
+    def add_environment(self, key: str, value: str) -> None:
+        self.function.add_environment(key, value)
+
+
+class Functions(Construct):
+    """All functions of the tree, by name."""
+
+    def __init__(self, scope: Construct, cid: str, *, stage: StageConfig, vpc: ec2.IVpc, layer_mode: str,
+                 environment: dict[str, str]) -> None:
+        super().__init__(scope, cid)
+        names = discover()
+        missing = [n for n in names if n not in PROFILES]
+        if missing:
+            raise SystemExit(f"functions/{missing[0]}/handler.py has no profile: add it to PROFILES in "
+                             "infra_cdk/functions.py (what it uses: database, redis, queues, buckets)")
+        self.layer = lambda_.LayerVersion(
+            self, "SharedLayer", code=layer_code(layer_mode),
+            compatible_runtimes=[RUNTIME], compatible_architectures=[ARCHITECTURE],
+            description="aivedio core (shared/aivedio) and its runtime dependencies",
+            removal_policy=RemovalPolicy.RETAIN if stage.retain else RemovalPolicy.DESTROY,
+        )
+        code = functions_code()
+        self.by_name: dict[str, AppFunction] = {
+            n: AppFunction(self, n, stage=stage, profile=PROFILES[n], code=code, layer=self.layer, vpc=vpc,
+                           environment=environment)
+            for n in names
+        }
+
+    def __getitem__(self, name: str) -> AppFunction:
+        return self.by_name[name]
+
+    def __iter__(self):
+        return iter(self.by_name.values())
+

@@ -1,0 +1,86 @@
+"""Queues and schedules, from the one routing table (aivedio.events_routing) the local runtime reads:
+
+- one SQS queue per consuming function, with its DLQ (after MAX_RECEIVES failed receives), fed
+  by the outbox relay for each event type the function subscribes to; the consumer may consume
+  from its queue and nothing else, and reports partial batch failures;
+- a catch-all queue ("*") for event types no function consumes yet: the relay publishes them
+  there instead of failing them, nobody consumes it, and messages expire after a day or a few;
+- one EventBridge schedule per entry of SCHEDULES, invoking the function asynchronously with no
+  retries and a one-minute maximum event age (the next tick replaces a lost one)."""
+from __future__ import annotations
+
+import json
+
+from aws_cdk import Duration, Stack
+from aws_cdk import aws_events as events
+from aws_cdk import aws_events_targets as targets
+from aws_cdk import aws_lambda_event_sources as sources
+from aws_cdk import aws_sqs as sqs
+from constructs import Construct
+
+from aivedio import events_routing
+from infra_cdk.functions import Functions
+from infra_cdk.nag import suppress
+from infra_cdk.stages import StageConfig
+
+MAX_RECEIVES = 5
+BATCH_SIZE = 10
+VISIBILITY_TIMEOUT_FACTOR = 6  # AWS's advice for SQS event sources: 6 x the function timeout
+
+
+def _queue(scope: Construct, cid: str, *, name: str, retention_days: int, visibility: Duration | None = None,
+           dlq: sqs.IQueue | None = None) -> sqs.Queue:
+    return sqs.Queue(
+        scope, cid, queue_name=name, encryption=sqs.QueueEncryption.SQS_MANAGED, enforce_ssl=True,
+        retention_period=Duration.days(retention_days), visibility_timeout=visibility,
+        dead_letter_queue=sqs.DeadLetterQueue(queue=dlq, max_receive_count=MAX_RECEIVES) if dlq else None,
+    )
+
+
+class Messaging(Construct):
+    def __init__(self, scope: Construct, cid: str, *, stage: StageConfig, functions: Functions) -> None:
+        super().__init__(scope, cid)
+        events_routing.check()
+        self.queues: dict[str, sqs.Queue] = {}  # consumer -> queue
+        self.dlqs: dict[str, sqs.Queue] = {}
+        queue_urls: dict[str, str] = {}
+        for consumer, event_types in events_routing.consumers().items():
+            fn = functions[consumer]
+            dlq = _queue(self, f"{consumer}-dlq", name=f"{stage.prefix}-{consumer}-dlq", retention_days=14)
+            queue = _queue(self, consumer, name=f"{stage.prefix}-{consumer}", retention_days=stage.queue_retention_days,
+                           visibility=Duration.seconds(fn.profile.timeout_seconds * VISIBILITY_TIMEOUT_FACTOR), dlq=dlq)
+            # Grants the consumer ReceiveMessage/DeleteMessage/ChangeMessageVisibility/GetQueue* on
+            # this queue only.
+            fn.function.add_event_source(sources.SqsEventSource(
+                queue, batch_size=BATCH_SIZE, report_batch_item_failures=True,
+                max_concurrency=max(2, stage.consumer_max_concurrency)))
+            self.queues[consumer], self.dlqs[consumer] = queue, dlq
+            for event_type in event_types:
+                queue_urls[event_type] = queue.queue_url
+
+        self.unrouted = _queue(self, "unrouted", name=f"{stage.prefix}-unrouted",
+                               retention_days=stage.unrouted_retention_days)
+        suppress(self.unrouted, ("AwsSolutions-SQS3", "The catch-all queue has no consumer, so nothing ever fails on "
+                                                      "it; its messages simply expire (parity with local delivery to "
+                                                      "no consumer)."))
+        queue_urls["*"] = self.unrouted.queue_url
+        for fn in functions:
+            if fn.profile.publishes_events:
+                fn.add_environment("AIVEDIO_EVENT_QUEUES", _json(self, queue_urls))
+                for queue in [*self.queues.values(), self.unrouted]:
+                    queue.grant_send_messages(fn.role)
+
+        self.rules: dict[str, events.Rule] = {}
+        for s in events_routing.SCHEDULES:
+            fn = functions[s.function]
+            fn.function.configure_async_invoke(retry_attempts=0, max_event_age=Duration.minutes(1))
+            rule = events.Rule(self, f"schedule-{s.name}", rule_name=f"{stage.prefix}-{s.name}",
+                               description=f"invokes {fn.function.function_name} ({s.name})",
+                               schedule=events.Schedule.rate(Duration.minutes(s.aws_every_minutes)))
+            rule.add_target(targets.LambdaFunction(fn.function, retry_attempts=0, max_event_age=Duration.minutes(1)))
+            self.rules[s.name] = rule
+
+
+def _json(scope: Construct, value: dict[str, str]) -> str:
+    """JSON whose values are CDK tokens (queue URLs), rendered by CloudFormation at deploy time."""
+    return Stack.of(scope).to_json_string(value)

@@ -1,0 +1,124 @@
+"""The dashboard and the alarms, from aivedio.metrics_catalog (what the platform emits as
+Powertools EMF) and from the queues and functions this app creates.
+
+Dashboard: queue depth in units per lane, oldest wait per lane, provider utilisation, admission
+rejections by code, SUBMIT_UNKNOWN count, unreconciled cost, plus outbox backlog, queue and DLQ
+depths, and function errors. Lanes come from aivedio.config.LANES; providers and rejection codes
+are open sets, so their graphs use SEARCH expressions.
+
+Alarms (to one SNS topic, encrypted with a key CloudWatch may use): starvation (a lane's oldest
+wait over its max_wait_seconds), outbox backlog, every DLQ holding a message, reconciliation
+breaks, and errors of the scheduled functions (a failing tick or relay halts the platform).
+
+The catalog's gauges and counters are emitted by the capabilities that own them (scheduler,
+attempts, reconcilers); until they do, those graphs stay empty and those alarms stay in
+INSUFFICIENT_DATA/OK (missing data is not breaching)."""
+from __future__ import annotations
+
+from aws_cdk import Duration
+from aws_cdk import aws_cloudwatch as cw
+from aws_cdk import aws_cloudwatch_actions as cw_actions
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_sns as sns
+from aws_cdk import aws_sqs as sqs
+from constructs import Construct
+
+from aivedio import events_routing
+from aivedio import metrics_catalog as mc
+from aivedio.config import LANES, Limits, PlatformConfig
+from infra_cdk.functions import Functions
+from infra_cdk.stages import StageConfig
+
+PERIOD = Duration.minutes(1)
+OUTBOX_BACKLOG_ALARM = Limits().outbox_backlog_reject_threshold // 10  # alarm long before admission rejects
+
+
+def metric(spec: mc.MetricSpec, *, label: str | None = None, **dims: str) -> cw.Metric:
+    return cw.Metric(namespace=mc.NAMESPACE, metric_name=spec.name, statistic=spec.statistic, period=PERIOD,
+                     dimensions_map={"service": mc.SERVICE, **dims}, label=label)
+
+
+def search(spec: mc.MetricSpec, label: str) -> cw.MathExpression:
+    dims = ",".join(["service", *spec.dimensions])
+    return cw.MathExpression(
+        expression=f"SEARCH('{{{mc.NAMESPACE},{dims}}} MetricName=\"{spec.name}\"', '{spec.statistic}', 60)",
+        label=label, period=PERIOD, using_metrics={})
+
+
+class Observability(Construct):
+    def __init__(self, scope: Construct, cid: str, *, stage: StageConfig, functions: Functions,
+                 queues: dict[str, sqs.IQueue], dlqs: dict[str, sqs.IQueue]) -> None:
+        super().__init__(scope, cid)
+        key = kms.Key(self, "AlarmTopicKey", enable_key_rotation=True, removal_policy=stage.removal_policy,
+                      description=f"{stage.prefix} alarm topic")
+        key.add_to_resource_policy(iam.PolicyStatement(
+            principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com")],
+            actions=["kms:Decrypt", "kms:GenerateDataKey*"], resources=["*"]))
+        self.topic = sns.Topic(self, "Alarms", topic_name=f"{stage.prefix}-alarms", master_key=key, enforce_ssl=True)
+        action = cw_actions.SnsAction(self.topic)
+        self.alarms: list[cw.Alarm] = []
+
+        def alarm(cid: str, m: cw.IMetric, *, threshold: float, periods: int, description: str) -> cw.Alarm:
+            a = cw.Alarm(self, cid, alarm_name=f"{stage.prefix}-{cid}", metric=m, threshold=threshold,
+                         evaluation_periods=periods,
+                         comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
+                         treat_missing_data=cw.TreatMissingData.NOT_BREACHING, alarm_description=description)
+            a.add_alarm_action(action)
+            a.add_ok_action(action)
+            self.alarms.append(a)
+            return a
+
+        lanes = PlatformConfig().lanes
+        for lane in LANES:
+            alarm(f"starvation-{lane.lower().replace('_', '-')}", metric(mc.OLDEST_WAIT_SECONDS, lane=lane),
+                  threshold=lanes[lane].max_wait_seconds, periods=3,
+                  description=f"{lane}: the oldest queued task waited over max_wait_seconds for 3 minutes")
+        alarm("outbox-backlog", metric(mc.OUTBOX_BACKLOG), threshold=OUTBOX_BACKLOG_ALARM, periods=5,
+              description=f"more than {OUTBOX_BACKLOG_ALARM} unpublished outbox events for 5 minutes "
+                          f"(admission rejects at {Limits().outbox_backlog_reject_threshold})")
+        alarm("reconciliation-breaks", metric(mc.RECONCILIATION_BREAKS), threshold=0, periods=1,
+              description="a reconciler found a mismatch")
+        for consumer, dlq in dlqs.items():
+            alarm(f"dlq-{consumer.replace('_', '-')}",
+                  dlq.metric_approximate_number_of_messages_visible(period=PERIOD, statistic="Maximum"),
+                  threshold=0, periods=1, description=f"{consumer}: messages in its dead-letter queue")
+        scheduled = {s.function for s in events_routing.SCHEDULES}
+        for fn in functions:
+            if fn.name in scheduled:
+                alarm(f"errors-{fn.name.replace('_', '-')}",
+                      fn.function.metric_errors(period=Duration.minutes(5), statistic="Sum"),
+                      threshold=0, periods=2, description=f"{fn.name} failing for 10 minutes")
+
+        self.dashboard = cw.Dashboard(self, "Dashboard", dashboard_name=f"{stage.prefix}-operations",
+                                      default_interval=Duration.hours(3))
+        by_lane = lambda spec: [metric(spec, lane=lane, label=lane) for lane in LANES]  # noqa: E731
+        self.dashboard.add_widgets(
+            cw.GraphWidget(title="Queue depth (units) per lane", left=by_lane(mc.QUEUE_DEPTH_UNITS), width=12, stacked=True),
+            cw.GraphWidget(title="Oldest wait (s) per lane", left=by_lane(mc.OLDEST_WAIT_SECONDS), width=12),
+        )
+        self.dashboard.add_widgets(
+            cw.GraphWidget(title="Provider utilisation (%)", left=[search(mc.PROVIDER_UTILISATION, "")], width=8,
+                           left_y_axis=cw.YAxisProps(min=0, max=100)),
+            cw.GraphWidget(title="Admission rejections by code", left=[search(mc.ADMISSION_REJECTIONS, "")], width=8,
+                           stacked=True),
+            cw.SingleValueWidget(title="SUBMIT_UNKNOWN (last hour)", width=4, metrics=[cw.Metric(
+                namespace=mc.NAMESPACE, metric_name=mc.SUBMIT_UNKNOWN.name, statistic="Sum", period=Duration.hours(1),
+                dimensions_map={"service": mc.SERVICE})]),
+            cw.SingleValueWidget(title="Unreconciled cost (USD)", width=4, metrics=[metric(mc.UNRECONCILED_COST)]),
+        )
+        self.dashboard.add_widgets(
+            cw.GraphWidget(title="Outbox backlog", left=[metric(mc.OUTBOX_BACKLOG)], width=8,
+                           left_annotations=[cw.HorizontalAnnotation(value=OUTBOX_BACKLOG_ALARM, label="alarm")]),
+            cw.GraphWidget(title="Event queues: visible / oldest (s)", width=8,
+                           left=[q.metric_approximate_number_of_messages_visible(period=PERIOD, label=n) for n, q in queues.items()],
+                           right=[q.metric_approximate_age_of_oldest_message(period=PERIOD, label=n) for n, q in queues.items()]),
+            cw.GraphWidget(title="Dead-letter queues", width=8,
+                           left=[q.metric_approximate_number_of_messages_visible(period=PERIOD, label=n) for n, q in dlqs.items()]),
+        )
+        self.dashboard.add_widgets(
+            cw.GraphWidget(title="Function errors", width=12,
+                           left=[fn.function.metric_errors(period=Duration.minutes(5), label=fn.name) for fn in functions]),
+            cw.GraphWidget(title="Starvation interventions, reconciliation breaks", width=12,
+                           left=[metric(mc.STARVATION_INTERVENTIONS), metric(mc.RECONCILIATION_BREAKS)]),
+        )

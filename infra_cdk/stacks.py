@@ -1,0 +1,110 @@
+"""Two stacks per stage:
+
+- `AiVedio-<stage>-Data`: what holds state and changes rarely: the network, Aurora + RDS Proxy,
+  Redis, the buckets. Deployed first, retained in prod.
+- `AiVedio-<stage>-App`: what can be replaced at will: the layer and functions, the schema
+  migration, queues and schedules, the API, workflows, Batch, dashboard and alarms.
+
+The app stack reads the data stack's values through CloudFormation exports (CDK wires them).
+Security-group rules between the two are created from the app side (`allow_to`), so the data
+stack never depends on the app stack."""
+from __future__ import annotations
+
+from aws_cdk import Annotations, Stack, Tags
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_s3 as s3
+from cdk_nag import RegexAppliesTo
+from constructs import Construct
+
+from infra_cdk.api import Api
+from infra_cdk.data import PROXY_PORT, Buckets, Database, Redis, SchemaMigration
+from infra_cdk.functions import AppFunction, Functions
+from infra_cdk.media import Media
+from infra_cdk.messaging import Messaging
+from infra_cdk.network import Network
+from infra_cdk.nag import suppress
+from infra_cdk.observability import Observability
+from infra_cdk.stages import StageConfig
+from infra_cdk.workflows import Workflows
+
+
+# Tags CloudFormation rejects on these types (CDK's tag aspect would still add them).
+UNTAGGABLE = ["AWS::RDS::DBProxyTargetGroup"]
+
+
+def tag(scope: Construct, key: str, value: str) -> None:
+    Tags.of(scope).add(key, value, exclude_resource_types=UNTAGGABLE)
+
+
+def grant_media(fn: AppFunction, bucket: s3.IBucket) -> None:
+    """Object reads and writes under the profile's key prefixes only (no List, no bucket-wide)."""
+    p = fn.profile
+    reads = [bucket.arn_for_objects(f"{prefix}*") for prefix in p.media_read_prefixes]
+    writes = [bucket.arn_for_objects(f"{prefix}*") for prefix in p.media_write_prefixes]
+    if reads:
+        fn.role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=reads))
+    if writes:
+        fn.role.add_to_policy(iam.PolicyStatement(actions=["s3:PutObject", "s3:PutObjectTagging"], resources=writes))
+    if reads or writes:
+        fn.add_environment("AIVEDIO_MEDIA_BUCKET", bucket.bucket_name)
+        suppress(fn.role, ("AwsSolutions-IAM5", f"{fn.name} reaches media objects under its key prefixes only "
+                                                f"({', '.join(p.media_read_prefixes + p.media_write_prefixes)}); object "
+                                                "keys below a prefix are not known in advance.",
+                           [RegexAppliesTo(regex=r"/^Resource::<.*Media.*\.Arn>\/.*\*$/g")]), children=True)
+
+
+class DataStack(Stack):
+    def __init__(self, scope: Construct, cid: str, *, stage: StageConfig, **kwargs) -> None:
+        super().__init__(scope, cid, description=f"AiVedio {stage.name}: network and state", **kwargs)
+        tag(self, "aivedio:stage", stage.name)
+        self.network = Network(self, "Network", stage=stage)
+        self.database = Database(self, "Database", stage=stage, vpc=self.network.vpc)
+        self.redis = Redis(self, "Redis", stage=stage, vpc=self.network.vpc)
+        self.buckets = Buckets(self, "Buckets", stage=stage)
+
+
+class AppStack(Stack):
+    def __init__(self, scope: Construct, cid: str, *, stage: StageConfig, data: DataStack, layer_mode: str,
+                 render_image: str | None, **kwargs) -> None:
+        super().__init__(scope, cid, description=f"AiVedio {stage.name}: functions, API, messaging, media", **kwargs)
+        tag(self, "aivedio:stage", stage.name)
+        self.add_stack_dependency(data) if hasattr(self, "add_stack_dependency") else self.add_dependency(data)
+        vpc = data.network.vpc
+        self.functions = Functions(self, "Functions", stage=stage, vpc=vpc, layer_mode=layer_mode, environment={})
+        for fn in self.functions:
+            p = fn.profile
+            # allow_to below also asks for egress rules, which an allow-all-outbound group does not need.
+            Annotations.of(fn.sg).acknowledge_warning("@aws-cdk/aws-ec2:ipv4IgnoreEgressRule",
+                                                      "functions' security groups allow all outbound traffic")
+            if p.database:
+                data.database.grant_connect(fn.role)
+                fn.add_environment("AIVEDIO_DATABASE_URL", data.database.url())
+                fn.add_environment("AIVEDIO_DATABASE_IAM_AUTH", "1")
+                fn.function.connections.allow_to(data.database.proxy_connections, ec2.Port.tcp(PROXY_PORT),
+                                                 f"{fn.name} to the RDS Proxy")
+            if p.redis:
+                data.redis.secret.grant_read(fn.role)
+                fn.add_environment("AIVEDIO_REDIS_URL", data.redis.url())
+                fn.add_environment("AIVEDIO_REDIS_SECRET_ARN", data.redis.secret.secret_arn)
+                fn.function.connections.allow_to(data.redis.connections, data.redis.connections.default_port,
+                                                 f"{fn.name} to Redis")
+            else:
+                fn.add_environment("AIVEDIO_REDIS_URL", "none")  # conservative mode: no Redis reachable
+            grant_media(fn, data.buckets.media)
+
+        migrators = [fn for fn in self.functions if fn.profile.migrates]
+        if migrators:
+            migration = SchemaMigration(self, "SchemaMigration", migrate_fn=migrators[0].function,
+                                        log_retention=stage.log_retention, removal_policy=stage.removal_policy)
+            for fn in self.functions:
+                if not fn.profile.migrates:
+                    fn.function.node.add_dependency(migration.resource)  # new code runs on the new schema
+
+        self.messaging = Messaging(self, "Messaging", stage=stage, functions=self.functions)
+        apis = [fn for fn in self.functions if fn.profile.api]
+        self.api = Api(self, "Api", stage=stage, fn=apis[0]) if apis else None
+        self.workflows = Workflows(self, "Workflows", stage=stage, functions=self.functions)
+        self.media = Media(self, "Media", stage=stage, vpc=vpc, media_bucket=data.buckets.media, render_image=render_image)
+        self.observability = Observability(self, "Observability", stage=stage, functions=self.functions,
+                                           queues=self.messaging.queues, dlqs=self.messaging.dlqs)
