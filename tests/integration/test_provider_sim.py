@@ -135,7 +135,8 @@ def test_429_bursts_refuse_every_new_job_on_the_account_for_their_length(sim):
     s, a = sim(provider(burst_429_rate=1.0, burst_429_seconds=120))
     outs = [a.submit("acct-1", f"b{i}", req(i)) for i in range(5)]
     assert all(isinstance(o, NotAcceptedRetryable) for o in outs)
-    assert all(100 <= o.retry_after_seconds <= 120 for o in outs)
+    # Retry-After is what is left of the burst; time is compressed, so a slow machine eats into it.
+    assert all(0 < o.retry_after_seconds <= 120 for o in outs)
     assert s.truth["jobs"] == [] and s.truth["submits"]["burst_rate_limited"] == 5
 
 

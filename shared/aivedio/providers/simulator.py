@@ -466,7 +466,9 @@ class Simulator:
                 self._counters["rate_limited"] += 1
                 self._counters["burst_rate_limited"] += 1
                 remaining = (self._burst_until[account_id] - now) * self.time_scale
-                return _error(429, "RATE_LIMITED", "too many requests", {"Retry-After": str(max(1, math.ceil(remaining)))})
+                # min(): scaling back to platform seconds can overshoot the burst by a float ulp.
+                wait = min(int(b.burst_429_seconds), max(1, math.ceil(remaining)))
+                return _error(429, "RATE_LIMITED", "too many requests", {"Retry-After": str(wait)})
             limit = self._limit(account_id)
             if self._active[account_id] >= limit:
                 self._counters["rate_limited"] += 1
