@@ -157,10 +157,8 @@ def redis_url() -> str:
     return _test_redis_url()
 
 
-@pytest.fixture
-def redis_prefix(redis_url) -> str:
-    prefix = f"t{uuid.uuid4().hex[:10]}"
-    yield prefix
+def drop_redis_prefix(redis_url: str, prefix: str) -> None:
+    """Delete every key a test wrote under its prefix."""
     from aivedio.cache.client import Cache
 
     c = Cache(redis_url, prefix)
@@ -168,6 +166,13 @@ def redis_prefix(redis_url) -> str:
         c.delete_prefix()
     finally:
         c.close()
+
+
+@pytest.fixture
+def redis_prefix(redis_url) -> str:
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    yield prefix
+    drop_redis_prefix(redis_url, prefix)
 
 
 @pytest.fixture

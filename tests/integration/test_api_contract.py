@@ -53,8 +53,7 @@ CONTRACT_OPERATIONS = [
 def rt(db_url, redis_url):
     """One runtime for the module (each test makes its own tenants). No loops: without the relay,
     outbox rows stay as admission wrote them, and counting them means something."""
-    from aivedio.cache.client import Cache
-    from tests.conftest import TEST_HOME
+    from tests.conftest import TEST_HOME, drop_redis_prefix
 
     prefix = f"t{uuid.uuid4().hex[:10]}"
     platform = build_platform(Settings(database_url=db_url, redis_url=redis_url, redis_prefix=prefix, home=TEST_HOME), CONFIG)
@@ -62,11 +61,7 @@ def rt(db_url, redis_url):
     yield rt
     rt.stop()
     platform.close()
-    c = Cache(redis_url, prefix)
-    try:
-        c.delete_prefix()
-    finally:
-        c.close()
+    drop_redis_prefix(redis_url, prefix)
 
 
 @pytest.fixture(scope="module")

@@ -120,18 +120,13 @@ def _local_inputs(body, media: dict, n: int) -> None:
 
 @pytest.fixture(scope="module")
 def fuzz_platform(db_url, redis_url):
-    from aivedio.cache.client import Cache
-    from tests.conftest import TEST_HOME
+    from tests.conftest import TEST_HOME, drop_redis_prefix
 
     prefix = f"t{uuid.uuid4().hex[:10]}"
     p = build_platform(Settings(database_url=db_url, redis_url=redis_url, redis_prefix=prefix, home=TEST_HOME), PlatformConfig())
     yield p
     p.close()
-    c = Cache(redis_url, prefix)
-    try:
-        c.delete_prefix()
-    finally:
-        c.close()
+    drop_redis_prefix(redis_url, prefix)
 
 
 @pytest.fixture(scope="module")

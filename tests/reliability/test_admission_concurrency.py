@@ -34,7 +34,7 @@ from aivedio.admission.service import IdempotencyInProgress, admit
 from aivedio.billing.ledger import ledger_aggregate
 from aivedio.config import PlatformConfig, Settings
 from tests.admission_support import BODY, PRICE, Tenant, new_tenant, wallet_row
-from tests.conftest import TEST_HOME
+from tests.conftest import TEST_HOME, drop_redis_prefix
 
 SERVERS = 3
 pytestmark = pytest.mark.timeout(180)
@@ -68,7 +68,6 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(db_url, redis_url):
-    from aivedio.cache.client import Cache
     from aivedio.context import build_platform
 
     prefix = f"t{uuid.uuid4().hex[:10]}"
@@ -97,11 +96,7 @@ def fleet(db_url, redis_url):
                 p.join(5)
         if platform is not None:
             platform.close()
-        c = Cache(redis_url, prefix)
-        try:
-            c.delete_prefix()
-        finally:
-            c.close()
+        drop_redis_prefix(redis_url, prefix)
 
 
 # --- firing requests together ------------------------------------------------------------------------
