@@ -44,6 +44,7 @@ class FunctionProfile:
     media_write_prefixes: tuple[str, ...] = ()
     api: bool = False  # fronted by API Gateway
     migrates: bool = False  # invoked by the schema-migration custom resource
+    starts_workflow: bool = False  # states:StartExecution on the attempt state machine
 
 
 PROFILES: dict[str, FunctionProfile] = {
@@ -62,6 +63,14 @@ PROFILES: dict[str, FunctionProfile] = {
         "Aging, starvation detector, queue-index rebuild", timeout_seconds=120, database=True, redis=True),
     "queue_indexer": FunctionProfile(
         "Consumes TaskQueued: puts the tenant on its lane's ring", timeout_seconds=30, database=True, redis=True),
+    "dispatch": FunctionProfile(
+        "Consumes TaskDispatchRequested: starts the attempt workflow", timeout_seconds=30, starts_workflow=True),
+    "attempt_step": FunctionProfile(
+        "One step of the attempt workflow: submit, poll, resolve SUBMIT_UNKNOWN, cancel, finalize",
+        timeout_seconds=60, database=True, internet=True),
+    "attempt_recovery": FunctionProfile(
+        "Lease scanner: restarts the workflow of attempts whose execution was lost", timeout_seconds=120,
+        database=True, starts_workflow=True),
     "db_migrate": FunctionProfile(
         "Applies schema migrations on deploy (custom resource)", timeout_seconds=600, database=True, migrates=True),
 }

@@ -9,7 +9,7 @@ from aws_lambda_powertools.logging import correlation_paths
 from aivedio import __version__
 from aivedio.observability import logger
 from functions.api import errors
-from functions.api.routes import auth, generations, health, wallet
+from functions.api.routes import auth, generations, health, providers, wallet
 
 app = APIGatewayRestResolver(enable_validation=True)
 app.configure_openapi(
@@ -20,7 +20,7 @@ app.configure_openapi(
 )
 errors.install(app)
 
-for _router in (health.router, generations.router, wallet.router):
+for _router in (health.router, generations.router, wallet.router, providers.router):
     app.include_router(_router)
 
 app.enable_swagger(path="/swagger")

@@ -171,6 +171,13 @@ class Timers(_Strict):
     poll_first_seconds: float = Field(default=10.0, gt=0)
     poll_min_seconds: float = Field(default=15.0, gt=0)
     poll_max_seconds: float = Field(default=30.0, gt=0)
+    poll_error_backoff_max_seconds: float = Field(default=120.0, gt=0)  # a failing poll backs off to this
+    unknown_first_check_seconds: float = Field(default=5.0, gt=0)  # SUBMIT_UNKNOWN: first lookup by key
+    unknown_backoff_max_seconds: float = Field(default=60.0, gt=0)
+    unknown_safe_window_seconds: float = Field(default=3600.0, gt=0)  # then MANUAL_REVIEW, never a blind retry
+    requeue_backoff_base_seconds: float = Field(default=2.0, gt=0)  # after a 429, doubled per attempt
+    requeue_backoff_max_seconds: float = Field(default=120.0, gt=0)
+    attempt_recovery_seconds: float = Field(default=15.0, gt=0)  # how often expired attempt leases are looked for
     idempotency_ttl_seconds: float = Field(default=86400.0, ge=86400.0)
     idempotency_lock_seconds: float = Field(default=30.0, gt=0)
     throughput_window_seconds: float = Field(default=600.0, gt=0)
@@ -188,6 +195,10 @@ class Limits(_Strict):
     model_global_running_cap: int = Field(default=800, gt=0)
     platform_cost_per_minute: int = Field(default=10_000, gt=0)
     pool_shards: int = Field(default=4, gt=0, le=64)
+    aimd_decrease_pct: int = Field(default=50, gt=0, lt=100)  # a 429 cuts an account's adaptive limit to this %
+    aimd_increase_units: int = Field(default=1, gt=0)  # each accepted submit gives this much back
+    aimd_min_units: int = Field(default=1, gt=0)
+    orphan_cancel: bool = True  # cancel provider jobs whose attempt was replaced (they may be billed)
 
 
 class Pools(_Strict):
@@ -210,6 +221,19 @@ class SchedulerConfig(_Strict):
                                                            "EXPENSIVE", "BEST_EFFORT"])
 
 
+class BillingConfig(_Strict):
+    """Billing knobs (ch. 20.6.7, 20.9.4). Credits are integer units; budgets are provider money."""
+
+    compensation_dual_approval_above: int = Field(default=1000, ge=0)  # credits; above it two distinct approvers
+    credit_expiry_seconds: float = Field(default=60.0, gt=0)  # platform seconds between expiry sweeps (locally)
+    expiry_batch: int = Field(default=500, gt=0)  # lots expired per sweep transaction
+    budget_alert_pct: int = Field(default=70, gt=0, le=100)  # alert
+    budget_restrict_pct: int = Field(default=90, gt=0, le=100)  # refuse costly and low-priority work
+    budget_reject_pct: int = Field(default=100, gt=0, le=1000)  # refuse all new work
+    budget_slope_window_seconds: float = Field(default=600.0, gt=0)  # abnormal-slope breaker window
+    budget_slope_max_fraction: float = Field(default=0.25, gt=0, le=1)  # of the limit reserved in one window
+
+
 class PlatformConfig(_Strict):
     time_scale: float = Field(default=1.0, gt=0)
     providers: list[ProviderConfig] = Field(default_factory=lambda: [ProviderConfig(name="provider-a")], min_length=1)
@@ -219,6 +243,7 @@ class PlatformConfig(_Strict):
     limits: Limits = Field(default_factory=Limits)
     pools: Pools = Field(default_factory=Pools)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    billing: BillingConfig = Field(default_factory=BillingConfig)
 
     @field_validator("lanes")
     @classmethod
@@ -295,6 +320,9 @@ class Settings(_Strict):
     # read once from Secrets Manager at start.
     database_iam_auth: bool = False
     redis_secret_arn: str | None = None
+    # AWS: attempt workflows run as executions of this Step Functions state machine. Unset: the
+    # local workflow runner of this process runs them (aivedio.local.workflow_runner).
+    attempt_state_machine_arn: str | None = None
 
     @property
     def redis_disabled(self) -> bool:
@@ -332,6 +360,7 @@ def settings_from_env(environ: dict[str, str] | None = None) -> Settings:
         api_base_url=get("AIVEDIO_API_BASE_URL") or "http://127.0.0.1:8080",
         database_iam_auth=_flag("AIVEDIO_DATABASE_IAM_AUTH", get("AIVEDIO_DATABASE_IAM_AUTH")),
         redis_secret_arn=get("AIVEDIO_REDIS_SECRET_ARN"),
+        attempt_state_machine_arn=get("AIVEDIO_ATTEMPT_STATE_MACHINE_ARN"),
     )
 
 

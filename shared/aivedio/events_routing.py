@@ -43,12 +43,14 @@ class Schedule:
 
 SUBSCRIPTIONS: tuple[Subscription, ...] = (
     Subscription("TaskQueued", "queue_indexer"),
+    Subscription("TaskDispatchRequested", "dispatch"),
 )
 
 SCHEDULES: tuple[Schedule, ...] = (
     Schedule("outbox-relay", "outbox_relay", lambda c: c.timers.outbox_relay_seconds, 1),
     Schedule("scheduler-tick", "scheduler_tick", lambda c: c.timers.scheduler_tick_seconds, 1),
     Schedule("scheduler-maintenance", "scheduler_maintenance", lambda c: c.timers.aging_step_seconds / 4, 1),
+    Schedule("attempt-recovery", "attempt_recovery", lambda c: c.timers.attempt_recovery_seconds, 1),
 )
 
 

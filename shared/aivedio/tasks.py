@@ -16,7 +16,10 @@ TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 
 TRANSITIONS: dict[str, frozenset[str]] = {
     "QUEUED": frozenset({"DISPATCHING", "CANCELLED", "FAILED"}),
-    "DISPATCHING": frozenset({"SUBMITTED", "RUNNING", "SUBMIT_UNKNOWN", "QUEUED", "FAILED", "CANCEL_REQUESTED", "MANUAL_REVIEW"}),
+    # PROVIDER_SUCCEEDED: a job can finish before the submit's answer is processed (the callback
+    # raced it), and the report is applied whatever the order.
+    "DISPATCHING": frozenset({"SUBMITTED", "RUNNING", "SUBMIT_UNKNOWN", "QUEUED", "FAILED", "CANCEL_REQUESTED",
+                              "PROVIDER_SUCCEEDED", "MANUAL_REVIEW"}),
     "SUBMITTED": frozenset({"RUNNING", "PROVIDER_SUCCEEDED", "FAILED", "CANCEL_REQUESTED", "CANCELLED", "MANUAL_REVIEW"}),
     "RUNNING": frozenset({"PROVIDER_SUCCEEDED", "FAILED", "CANCEL_REQUESTED", "CANCELLED", "MANUAL_REVIEW"}),
     "SUBMIT_UNKNOWN": frozenset({"SUBMITTED", "RUNNING", "PROVIDER_SUCCEEDED", "FAILED", "QUEUED", "CANCEL_REQUESTED", "MANUAL_REVIEW"}),

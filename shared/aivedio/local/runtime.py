@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]  # shared/aivedio/local/runtime.py -> repo
 API_HANDLER = "functions.api.handler"
+ATTEMPT_STEP_HANDLER = "functions.attempt_step.handler"
 SCHEDULED_TIMEOUT_SECONDS = 60.0  # the Lambda timeout scheduled handlers get locally
 LOOP_JOIN_SECONDS = 10.0
 
@@ -173,8 +174,12 @@ class LocalRuntime:
     """The API server and the loops over one Platform. Tests use it directly:
     rt = LocalRuntime(platform, port=0); rt.start(); rt.base_url; rt.stop()."""
 
-    def __init__(self, platform: Platform, port: int = 8080, host: str = "127.0.0.1", loops: list[Loop] | None = None):
+    def __init__(self, platform: Platform, port: int = 8080, host: str = "127.0.0.1", loops: list[Loop] | None = None,
+                 workflow_workers: int = 8):
         self.platform = platform
+        self.workflow_workers = workflow_workers
+        self._runner = None
+        self._simulators: dict = {}
         self.port, self.host = port, host
         self._loops = loops
         self._stop = threading.Event()
@@ -199,16 +204,41 @@ class LocalRuntime:
         with p.db.connection() as conn:
             apply_config(conn, p.config, p.clock)
         subscribe_all()
+        self._start_providers_and_workflows()
         p.extras.setdefault("loop_status", {})
         loops = default_loops(p) if self._loops is None else self._loops
         p.extras["wake"] = {loop.name: threading.Event() for loop in loops}
         self.server = LambdaHttpServer((self.host, self.port), load_handler(API_HANDLER), function_name="aivedio-api")
         self.server.start()
+        if p.settings.api_base_url == Settings.model_fields["api_base_url"].default:
+            p.extras["callback_base_url"] = self.server.url  # webhooks come back to this server
         self._stop.clear()
         self._threads = [_LoopThread(loop, p, self._stop, p.extras["wake"][loop.name]) for loop in loops]
         for t in self._threads:
             t.start()
         return self
+
+    def _start_providers_and_workflows(self) -> None:
+        """The built-in provider simulators (for providers whose entry names no base_url) and the
+        workflow runner that executes attempt workflows in this process."""
+        from aivedio.attempts.executions import LOCAL_STEP_RESOURCE
+        from aivedio.local.workflow_runner import WorkflowRunner
+        from aivedio.providers.simulator import start_simulators
+
+        p = self.platform
+        missing = [pc for pc in p.config.providers if not pc.base_url]
+        if missing and "provider_base_urls" not in p.extras:
+            self._simulators = start_simulators(p.config)
+            p.extras["provider_base_urls"] = {n: s.base_url for n, s in self._simulators.items()}
+            p.extras["provider_simulators"] = self._simulators
+        if "workflow_runner" not in p.extras:
+            step = load_handler(ATTEMPT_STEP_HANDLER)
+
+            def attempt_step(payload: dict) -> dict:
+                return step(payload, FakeLambdaContext("aivedio-attempt_step", timeout_seconds=SCHEDULED_TIMEOUT_SECONDS))
+
+            self._runner = WorkflowRunner(p.clock, {LOCAL_STEP_RESOURCE: attempt_step}, workers=self.workflow_workers).start()
+            p.extras["workflow_runner"] = self._runner
 
     def stop(self) -> None:
         self._stop.set()
@@ -222,7 +252,21 @@ class LocalRuntime:
         if self.server is not None:
             self.server.stop()
             self.server = None
+        if self._runner is not None:
+            self._runner.stop()
+            self.platform.extras.pop("workflow_runner", None)
+            self._runner = None
+        from aivedio.providers.registry import close_adapters
+
+        close_adapters(self.platform)
+        for sim in self._simulators.values():
+            sim.stop()
+        if self._simulators:
+            self.platform.extras.pop("provider_base_urls", None)
+            self.platform.extras.pop("provider_simulators", None)
+        self._simulators = {}
         self.platform.extras.pop("outbox_deliver", None)
+        self.platform.extras.pop("callback_base_url", None)
         self.platform.extras.pop("wake", None)
         set_platform(None)
 

@@ -1,0 +1,85 @@
+"""Provider webhooks (POST /v1/providers/{provider}/callbacks). A webhook is verified (Standard
+Webhooks signature and timestamp tolerance), deduplicated on its webhook-id, and then applied by
+the same transition function as polling (lifecycle.apply_job).
+
+Answers, so a provider's retries do the right thing:
+- applied, or already known: 200 (a repeated webhook-id is acknowledged and changes nothing);
+- a job whose attempt was replaced (stale fencing token): refused with 409, logged, and the job
+  recorded as an orphan for reconciliation;
+- a job the platform has no attempt for (yet: a webhook can overtake the submit's answer): 409,
+  recorded as an orphan, so the provider delivers it again later;
+- a bad signature or a stale timestamp: 401; an unknown provider: 404; a malformed body: 422."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from aivedio.attempts.lifecycle import AttemptRef, apply_job, record_orphan
+from aivedio.errors import DomainError, InvalidRequest, NotFound, Unauthenticated
+from aivedio.observability import logger, metrics
+from aivedio.providers.adapter import MalformedDocument, parse_job
+from aivedio.providers.webhooks import verify_webhook
+
+EVENT_TYPES = ("job.succeeded", "job.failed", "job.cancelled", "job.running", "job.queued")
+
+
+class CallbackRefused(DomainError):
+    code = "CALLBACK_REFUSED"
+
+
+@dataclass(frozen=True)
+class CallbackResult:
+    status: str  # applied | duplicate
+    task_state: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {"status": self.status, "task_state": self.task_state}
+
+
+def receive(platform, provider: str, headers: Mapping[str, str], body: bytes | str) -> CallbackResult:
+    cfg = platform.config.provider(provider)
+    if cfg is None:
+        raise NotFound(f"no provider {provider!r}")
+    now = platform.clock.now()
+    if not verify_webhook(cfg.webhook_secret, headers, body, now):
+        metrics.add("webhooks_refused", provider=provider, reason="signature")
+        raise Unauthenticated("webhook signature or timestamp is not valid")
+    h = {k.lower(): v for k, v in headers.items()}
+    webhook_id = h["webhook-id"]
+    try:
+        doc = json.loads(body)
+        if not isinstance(doc, dict) or doc.get("type") not in EVENT_TYPES:
+            raise MalformedDocument(f"type: expected one of {', '.join(EVENT_TYPES)}")
+        job = parse_job(doc.get("data"))
+    except (ValueError, MalformedDocument) as e:
+        raise InvalidRequest("malformed webhook body", {"body": str(e)}) from None
+
+    def tx(conn) -> CallbackResult | tuple[str, dict | None]:
+        if conn.execute("select 1 from webhook_receipt where provider = %s and webhook_id = %s",
+                        (provider, webhook_id)).fetchone():
+            return CallbackResult("duplicate")
+        row = conn.execute(
+            """select tenant_id, task_id, attempt_id, fencing_token, provider_account from task_attempt
+                where provider = %s and provider_job_id = %s""", (provider, job.id)).fetchone()
+        if row is None:
+            record_orphan(conn, provider, job.id, None, None, "UNMAPPED", {"status": job.status, "webhook_id": webhook_id})
+            return "UNMAPPED", None
+        ref = AttemptRef(row["tenant_id"], row["task_id"], row["attempt_id"], row["fencing_token"])
+        applied = apply_job(conn, ref, job, source="callback", now=platform.clock.now())
+        if applied.outcome == "STALE":
+            return "STALE_ATTEMPT", ref.log()
+        conn.execute("insert into webhook_receipt (provider, webhook_id, received_at) values (%s, %s, %s) on conflict do nothing",
+                     (provider, webhook_id, now))
+        return CallbackResult("applied", applied.task_state)
+
+    result = platform.db.transaction(tx)
+    if isinstance(result, CallbackResult):
+        metrics.add("webhooks_received", provider=provider, result=result.status)
+        return result
+    reason, where = result
+    metrics.add("webhooks_refused", provider=provider, reason=reason)
+    logger.warning("webhook refused", extra={"provider": provider, "job_id": job.id, "webhook_id": webhook_id,
+                                             "reason": reason, **(where or {})})
+    raise CallbackRefused(f"job {job.id}: {'its attempt was replaced' if reason == 'STALE_ATTEMPT' else 'no attempt knows this job'}",
+                          code=reason, details={"job_id": job.id})

@@ -1,0 +1,274 @@
+"""The attempt's writes (ch. 18.8, 18.14 to 18.16): one place where a provider's word about a job
+becomes a task state, whoever heard it (a poll, a callback, the SUBMIT_UNKNOWN lookup, a cancel).
+
+Every write here runs in the caller's transaction, under the task's row lock, and is fenced: it
+applies only while the task's current attempt and fencing token are the ones the writer holds. A
+refused write changes nothing but the orphan record, so a paused worker that wakes after its
+attempt was replaced cannot move the task. Terminal states never change; the transaction that
+moves a task to a terminal state also releases the attempt's reservations (by CAS, so only one
+transaction decrements) and writes the terminal event, which therefore exists exactly once."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+from uuid import UUID
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from aivedio import outbox, tasks
+from aivedio.observability import logger, metrics
+from aivedio.providers.adapter import ProviderJob
+from aivedio.scheduling.resources import release_attempt
+
+# task_attempt.state values. An attempt is live until it reaches one of FINAL.
+LIVE = ("DISPATCHING", "SUBMITTED", "RUNNING", "SUBMIT_UNKNOWN")
+FINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "REJECTED", "NOT_ACCEPTED", "ABSENT_CONFIRMED", "MANUAL_REVIEW"})
+
+# Progress a provider status proves; a late or reordered report never moves a task backwards.
+_RANK = {"DISPATCHING": 0, "SUBMIT_UNKNOWN": 0, "SUBMITTED": 1, "RUNNING": 2}
+
+
+@dataclass(frozen=True)
+class AttemptRef:
+    """What a workflow execution holds: the attempt it works for and the fencing token it was
+    claimed with. Every write checks both against the task row."""
+
+    tenant_id: UUID
+    task_id: UUID
+    attempt_id: UUID
+    fencing_token: int
+
+    @classmethod
+    def of(cls, doc: dict[str, Any]) -> "AttemptRef":
+        return cls(UUID(str(doc["tenant_id"])), UUID(str(doc["task_id"])), UUID(str(doc["attempt_id"])),
+                   int(doc["fencing_token"]))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"tenant_id": str(self.tenant_id), "task_id": str(self.task_id), "attempt_id": str(self.attempt_id),
+                "fencing_token": self.fencing_token}
+
+    def log(self) -> dict[str, str]:
+        return {"tenant_id": str(self.tenant_id), "task_id": str(self.task_id), "attempt_id": str(self.attempt_id)}
+
+
+@dataclass(frozen=True)
+class Loaded:
+    task: dict
+    attempt: dict
+    current: bool  # the attempt is still the task's current one, with the same fencing token
+
+
+def load(conn: psycopg.Connection, ref: AttemptRef, *, lock: bool) -> Loaded | None:
+    """The task (locked FOR UPDATE when `lock`) and the attempt. None if either is missing."""
+    task = conn.execute(
+        "select * from generation_task where tenant_id = %s and task_id = %s" + (" for update" if lock else ""),
+        (ref.tenant_id, ref.task_id),
+    ).fetchone()
+    attempt = conn.execute("select * from task_attempt where tenant_id = %s and attempt_id = %s",
+                           (ref.tenant_id, ref.attempt_id)).fetchone()
+    if task is None or attempt is None:
+        return None
+    current = (task["current_attempt_id"] == ref.attempt_id and task["current_fencing_token"] == ref.fencing_token
+               and attempt["fencing_token"] == ref.fencing_token)
+    return Loaded(task, attempt, current)
+
+
+def renew_lease(conn: psycopg.Connection, ref: AttemptRef, now: datetime, lease_until: datetime) -> None:
+    """The running workflow's heartbeat: the lease scanner leaves a leased attempt alone."""
+    conn.execute("update task_attempt set lease_until = %s, updated_at = %s where attempt_id = %s and fencing_token = %s",
+                 (lease_until, now, ref.attempt_id, ref.fencing_token))
+    conn.execute("update resource_reservation set lease_until = %s where attempt_id = %s and state = 'ACTIVE'",
+                 (lease_until, ref.attempt_id))
+
+
+def set_attempt(conn: psycopg.Connection, ref: AttemptRef, now: datetime, **fields: Any) -> None:
+    sets = "".join(f", {k} = %({k})s" for k in fields)
+    conn.execute(f"update task_attempt set updated_at = %(now)s{sets} where attempt_id = %(a)s and fencing_token = %(f)s",
+                 {"now": now, "a": ref.attempt_id, "f": ref.fencing_token,
+                  **{k: Jsonb(v) if isinstance(v, dict) else v for k, v in fields.items()}})
+
+
+def move(conn: psycopg.Connection, loaded: Loaded, to_state: str, now: datetime, **fields: Any) -> dict:
+    """CAS the (locked) task to `to_state`; returns the new row. The lock makes the CAS win unless
+    the transition is illegal, which is a bug, not a race."""
+    task = loaded.task
+    row = tasks.cas_transition(conn, tenant_id=task["tenant_id"], task_id=task["task_id"], from_state=task["state"],
+                               version=task["version"], to_state=to_state, now=now, **fields)
+    if row is None:
+        raise RuntimeError(f"task {task['task_id']} moved under its row lock")
+    return row
+
+
+def record_orphan(conn: psycopg.Connection, provider: str, job_id: str, account: str | None, attempt_id: UUID | None,
+                  reason: str, payload: dict | None = None) -> bool:
+    """A provider job the platform no longer (or never) runs for: kept for reconciliation, since it
+    may still be billed. True when it is new."""
+    return conn.execute(
+        """insert into orphan_provider_job (provider, provider_job_id, provider_account, attempt_id, reason, payload)
+           values (%s, %s, %s, %s, %s, %s) on conflict do nothing""",
+        (provider, job_id, account, attempt_id, reason, Jsonb(payload or {})),
+    ).rowcount == 1
+
+
+# --- terminal outcomes --------------------------------------------------------------------------------
+
+TERMINAL_EVENT = {"SUCCEEDED": "TaskSucceeded", "FAILED": "TaskFailed", "CANCELLED": "TaskCancelled"}
+
+
+def _usage(job: ProviderJob | None) -> dict | None:
+    if job is None or job.usage is None:
+        return None
+    return {"seconds": str(job.usage.seconds), "cost_amount": str(job.usage.cost_amount), "currency": job.usage.currency}
+
+
+def provider_charged(job: ProviderJob | None) -> bool:
+    return job is not None and (job.charge_id is not None or (job.usage is not None and job.usage.cost_amount > Decimal(0)))
+
+
+def finish(conn: psycopg.Connection, loaded: Loaded, to_state: str, *, stage: str, now: datetime,
+           job: ProviderJob | None = None, attempt_state: str | None = None, error_code: str | None = None,
+           error_message: str | None = None) -> dict:
+    """Move the task to a terminal state (through PROVIDER_SUCCEEDED for a success), finish the
+    attempt, release its reservations and write the terminal event: all in the caller's
+    transaction, so each happens exactly once."""
+    task, attempt = loaded.task, loaded.attempt
+    extra: dict[str, Any] = {"finished_at": now}
+    if error_code is not None:
+        extra.update(error_code=error_code, error_message=(error_message or "")[:1000] or None)
+    if to_state == "SUCCEEDED":
+        mid = move(conn, loaded, "PROVIDER_SUCCEEDED", now)
+        loaded = Loaded(mid, attempt, loaded.current)
+        if job is not None and job.output_url:
+            conn.execute(
+                """insert into task_output (task_id, tenant_id, output_version, asset_type, object_key, url, content_type)
+                   values (%s, %s, 1, 'video', %s, %s, 'video/mp4') on conflict do nothing""",
+                (task["task_id"], task["tenant_id"], f"provider/{attempt['provider']}/{job.id}", job.output_url),
+            )
+    row = move(conn, loaded, to_state, now, **extra)
+    fields: dict[str, Any] = {"state": attempt_state or to_state, "final_reason": stage, "lease_until": None}
+    if job is not None:
+        fields["raw_last_response"] = job.doc or {"id": job.id, "status": job.status}
+        if job.usage is not None:
+            fields.update(actual_cost_amount=job.usage.cost_amount, actual_cost_currency=job.usage.currency)
+        if provider_charged(job):
+            fields["billable_state"] = "BILLABLE"
+    ref = AttemptRef(task["tenant_id"], task["task_id"], attempt["attempt_id"], attempt["fencing_token"])
+    set_attempt(conn, ref, now, **fields)
+    released = release_attempt(conn, attempt["attempt_id"], now)
+    outbox.write_event(conn, TERMINAL_EVENT[to_state], aggregate_type="generation_task", aggregate_id=task["task_id"],
+                       tenant_id=task["tenant_id"], payload={
+                           "task_id": str(task["task_id"]), "tenant_id": str(task["tenant_id"]),
+                           "attempt_id": str(attempt["attempt_id"]), "state": to_state, "stage": stage,
+                           "provider": attempt["provider"], "provider_account": attempt["provider_account"],
+                           "provider_job_id": job.id if job is not None else attempt["provider_job_id"],
+                           "charge_id": job.charge_id if job is not None else None,
+                           "provider_charged": provider_charged(job), "usage": _usage(job),
+                           "output_seconds": task["duration_seconds"] if to_state == "SUCCEEDED" else 0,
+                           "error_code": error_code, "finished_at": now.isoformat()})
+    metrics.add("tasks_finished", state=to_state, stage=stage)
+    logger.info("task finished", extra={"tenant_id": str(task["tenant_id"]), "task_id": str(task["task_id"]),
+                                        "attempt_id": str(attempt["attempt_id"]), "state": to_state, "stage": stage,
+                                        "reservations_released": len(released)})
+    return row
+
+
+def requeue(conn: psycopg.Connection, loaded: Loaded, *, attempt_state: str, reason: str, now: datetime,
+            eligible_at: datetime) -> dict:
+    """Give the task back to the scheduler: this attempt is over without a provider job (a 429, or
+    an absence confirmed by lookup). Its reservations are released here, once, and a new attempt
+    with a new fencing token is claimed later."""
+    task, attempt = loaded.task, loaded.attempt
+    row = move(conn, loaded, "QUEUED", now, next_eligible_at=eligible_at, current_attempt_id=None,
+               current_fencing_token=None, selected_provider=None, selected_account=None, capacity_mode=None)
+    ref = AttemptRef(task["tenant_id"], task["task_id"], attempt["attempt_id"], attempt["fencing_token"])
+    set_attempt(conn, ref, now, state=attempt_state, final_reason=reason, lease_until=None)
+    release_attempt(conn, attempt["attempt_id"], now)
+    # The queue index learns of the task again, as at admission.
+    outbox.write_event(conn, "TaskQueued", aggregate_type="generation_task", aggregate_id=task["task_id"],
+                       tenant_id=task["tenant_id"], payload={
+                           "task_id": str(task["task_id"]), "tenant_id": str(task["tenant_id"]),
+                           "queue_class": task["queue_class"], "priority_band": task["priority_band"],
+                           "fairness_units": task["fairness_units"], "enqueue_at": task["enqueue_at"].isoformat(),
+                           "requeued": True, "reason": reason, "next_eligible_at": eligible_at.isoformat()})
+    metrics.add("attempts_requeued", reason=reason)
+    logger.info("task requeued", extra={"tenant_id": str(task["tenant_id"]), "task_id": str(task["task_id"]),
+                                        "attempt_id": str(attempt["attempt_id"]), "reason": reason})
+    return row
+
+
+def cancel_stage(attempt: dict) -> str:
+    """Where a cancelled job was (ch. 20.6.6): the charge policy prices each stage differently."""
+    if attempt["provider_job_id"] is None and attempt["state"] == "DISPATCHING":
+        return "BEFORE_SUBMIT"
+    return "PROVIDER_RUNNING" if attempt["state"] == "RUNNING" else "PROVIDER_QUEUED"
+
+
+# --- the transition function --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Applied:
+    outcome: str  # APPLIED | UNCHANGED | TERMINAL (the task is terminal now) | STALE | MISSING
+    task_state: str | None = None
+
+
+def apply_job(conn: psycopg.Connection, ref: AttemptRef, job: ProviderJob, *, source: str, now: datetime) -> Applied:
+    """What the provider says of the attempt's job, applied to the task. Polling, callbacks, the
+    SUBMIT_UNKNOWN lookup and cancel all come here. Idempotent: the same report twice changes
+    nothing the second time; a report older than what is known is ignored."""
+    loaded = load(conn, ref, lock=True)
+    if loaded is None:
+        return Applied("MISSING")
+    task, attempt = loaded.task, loaded.attempt
+    if not loaded.current:
+        if record_orphan(conn, attempt["provider"], job.id, attempt["provider_account"], attempt["attempt_id"],
+                         "STALE_ATTEMPT", {"status": job.status, "source": source}):
+            logger.warning("report for a replaced attempt refused", extra={**ref.log(), "job_id": job.id, "source": source,
+                                                                           "current_attempt_id": str(task["current_attempt_id"])})
+        metrics.add("stale_writes_refused", source=source)
+        return Applied("STALE", task["state"])
+    if tasks.is_terminal(task["state"]):
+        return Applied("TERMINAL", task["state"])
+    if attempt["provider_job_id"] is not None and attempt["provider_job_id"] != job.id:
+        # The same key never yields two jobs; a second id is the provider's bug, kept for review.
+        record_orphan(conn, attempt["provider"], job.id, attempt["provider_account"], attempt["attempt_id"],
+                      "SECOND_JOB_FOR_KEY", job.doc)
+        logger.error("provider reported a second job for one attempt", extra={**ref.log(), "job_id": job.id})
+        return Applied("UNCHANGED", task["state"])
+    if attempt["provider_job_id"] is None:
+        set_attempt(conn, ref, now, provider_job_id=job.id)
+    cancelling = task["state"] == "CANCEL_REQUESTED"
+    if job.status == "succeeded":
+        finish(conn, loaded, "SUCCEEDED", stage="PROVIDER_SUCCEEDED", now=now, job=job)
+        return Applied("TERMINAL", "SUCCEEDED")
+    if job.status == "failed":
+        err = job.error
+        finish(conn, loaded, "FAILED", stage="PROVIDER_FAILED", now=now, job=job,
+               error_code=f"PROVIDER_{err.code}".upper() if err else "PROVIDER_FAILED", error_message=err.message if err else None)
+        return Applied("TERMINAL", "FAILED")
+    if job.status == "cancelled":
+        if cancelling:
+            finish(conn, loaded, "CANCELLED", stage=cancel_stage(attempt), now=now, job=job)
+            return Applied("TERMINAL", "CANCELLED")
+        # Cancelled by the provider, not by us: for the tenant it failed.
+        finish(conn, loaded, "FAILED", stage="PROVIDER_FAILED", now=now, job=job, attempt_state="CANCELLED",
+               error_code="PROVIDER_CANCELLED", error_message="the provider cancelled the job")
+        return Applied("TERMINAL", "FAILED")
+    # queued / running: progress only forwards
+    target = "RUNNING" if job.status == "running" else "SUBMITTED"
+    fields: dict[str, Any] = {"raw_last_response": job.doc or {"id": job.id, "status": job.status}}
+    if _RANK.get(attempt["state"], 3) < _RANK[target]:
+        fields["state"] = target
+    set_attempt(conn, ref, now, **fields)
+    if cancelling or _RANK.get(task["state"], 3) >= _RANK[target]:
+        return Applied("UNCHANGED", task["state"])
+    extra = {"started_at": task["started_at"] or now} if target == "RUNNING" else {}
+    row = move(conn, loaded, target, now, **extra)
+    return Applied("APPLIED", row["state"])
+
+
+def jitter(seconds: float, spread: float = 0.2) -> float:
+    return seconds * (1 + random.uniform(-spread, spread))

@@ -1,0 +1,39 @@
+"""The attempt lease scanner (ch. 18.16.6). Every running workflow renews its attempt's lease at
+each step; an attempt whose lease expired lost its execution (a crashed process, a failed
+execution). The scanner takes the lease over by CAS and starts a new execution, whose first step
+reads PostgreSQL and resumes: a submit that may have been sent is looked up by its key, never
+resent, and nothing is released before the provider has been asked."""
+from __future__ import annotations
+
+from aivedio.attempts import executions
+from aivedio.attempts.lifecycle import LIVE, AttemptRef
+from aivedio.observability import logger, metrics
+
+BATCH = 200
+
+
+def restart_expired(platform, limit: int = BATCH) -> int:
+    now = platform.clock.now()
+    lease = platform.clock.delta(platform.config.timers.lease_seconds)
+
+    def tx(conn) -> list[dict]:
+        return conn.execute(
+            """update task_attempt a set lease_until = %(until)s, recoveries = a.recoveries + 1, updated_at = %(now)s
+                 from generation_task t
+                where a.attempt_id in (
+                      select attempt_id from task_attempt
+                       where state = any(%(live)s) and lease_until < %(now)s
+                       order by lease_until limit %(limit)s for update skip locked)
+                  and t.tenant_id = a.tenant_id and t.task_id = a.task_id
+                  and t.current_attempt_id = a.attempt_id and t.current_fencing_token = a.fencing_token
+                returning a.tenant_id, a.task_id, a.attempt_id, a.fencing_token, a.recoveries, a.state""",
+            {"until": now + lease, "now": now, "live": list(LIVE), "limit": limit},
+        ).fetchall()
+
+    rows = platform.db.transaction(tx)
+    for r in rows:
+        ref = AttemptRef(r["tenant_id"], r["task_id"], r["attempt_id"], r["fencing_token"])
+        name = executions.start(platform, ref, recoveries=r["recoveries"])
+        metrics.add("attempts_recovered", state=r["state"])
+        logger.warning("attempt lease expired; workflow restarted", extra={**ref.log(), "state": r["state"], "execution": name})
+    return len(rows)
