@@ -158,12 +158,22 @@ def test_accept_then_timeout_is_unknown_then_found_by_key(world):
     assert out == {"next": "wait", "then": "resolve", "wait_seconds": 5}
     assert task_row(p, ref)["state"] == "SUBMIT_UNKNOWN"
     assert active_reservations(p, ref) > 0  # kept while unknown
+    # Its webhook overtakes the lookup: no attempt knows the job yet, so it is refused (the provider
+    # retries) and parked as unmapped until the lookup adopts the job.
+    job = sim.truth["jobs"][0]
+    headers, body = _webhook(p, sim, {"id": job["id"], "status": "running", "created_at": job["created_at"]}, "running")
+    with pytest.raises(callbacks.CallbackRefused):
+        callbacks.receive(p, "provider-a", headers, body)
     out = steps.resolve(p, ref, out)
     assert out["next"] == "wait" and out["then"] == "check"
     a = attempt_row(p, ref.attempt_id)
     assert a["state"] in ("SUBMITTED", "RUNNING") and a["provider_job_id"] == sim.truth["jobs"][0]["id"]
     assert task_row(p, ref)["state"] in ("SUBMITTED", "RUNNING")
     assert len(sim.truth["jobs"]) == 1 and sim.truth["jobs"][0]["submit_requests"] == 1  # never resubmitted
+    with p.db.connection() as conn:
+        assert conn.execute("select count(*) as n from orphan_provider_job where provider_job_id = %s",
+                            (job["id"],)).fetchone()["n"] == 0
+    assert callbacks.receive(p, "provider-a", headers, body).status == "applied"  # the provider's retry lands
 
 
 def test_absence_confirmed_requeues_and_a_new_attempt_fences_the_old_one(world):

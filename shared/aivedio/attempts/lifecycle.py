@@ -240,6 +240,9 @@ def apply_job(conn: psycopg.Connection, ref: AttemptRef, job: ProviderJob, *, so
         return Applied("UNCHANGED", task["state"])
     if attempt["provider_job_id"] is None:
         set_attempt(conn, ref, now, provider_job_id=job.id)
+        # A webhook that overtook the submit's answer was parked as unmapped; the job has its attempt now.
+        conn.execute("delete from orphan_provider_job where provider = %s and provider_job_id = %s and reason = 'UNMAPPED'",
+                     (attempt["provider"], job.id))
     cancelling = task["state"] == "CANCEL_REQUESTED"
     if job.status == "succeeded":
         finish(conn, loaded, "SUCCEEDED", stage="PROVIDER_SUCCEEDED", now=now, job=job)
