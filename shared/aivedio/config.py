@@ -198,6 +198,7 @@ class Limits(_Strict):
     aimd_decrease_pct: int = Field(default=50, gt=0, lt=100)  # a 429 cuts an account's adaptive limit to this %
     aimd_increase_units: int = Field(default=1, gt=0)  # each accepted submit gives this much back
     aimd_min_units: int = Field(default=1, gt=0)
+    aimd_cooldown_seconds: float = Field(default=5.0, ge=0)  # a burst of 429s cuts the limit once, not once per 429
     orphan_cancel: bool = True  # cancel provider jobs whose attempt was replaced (they may be billed)
 
 

@@ -132,6 +132,12 @@ def test_429_releases_requeues_with_backoff_and_lowers_the_account_limit(world):
         lim = conn.execute("""select sum(coalesce(limit_units, capacity_units)) as eff from resource_pool_shard
                                where resource_key = 'provider-account:provider-a:account-01'""").fetchone()["eff"]
     assert lim == 10  # 20 x 50%
+    # The same burst refuses the next submit too: the limit is cut once per cooldown, not per 429.
+    other = claim_one(p)
+    assert steps.submit(p, other)["outcome"] == "requeued"
+    with p.db.connection() as conn:
+        assert conn.execute("""select sum(coalesce(limit_units, capacity_units)) as eff from resource_pool_shard
+                                where resource_key = 'provider-account:provider-a:account-01'""").fetchone()["eff"] == 10
     [ev] = events(p, ref, "TaskQueued")[1:]  # admission's, then the requeue's
     assert ev["payload"]["requeued"] is True
     # The stale execution can do nothing more with the replaced attempt.

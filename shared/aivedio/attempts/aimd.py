@@ -12,7 +12,7 @@ from aivedio.scheduling.resources import account_key, set_limit
 
 _STATE = """select coalesce(sum(capacity_units), 0)::bigint as capacity,
                    coalesce(sum(coalesce(limit_units, capacity_units)), 0)::bigint as effective,
-                   bool_or(limit_units is not null) as limited
+                   bool_or(limit_units is not null) as limited, max(updated_at) as changed_at
               from resource_pool_shard where resource_key = %s"""
 
 
@@ -21,13 +21,19 @@ def decrease(platform, provider: str, account: str) -> int | None:
     limits = platform.config.limits
     key = account_key(provider, account)
 
+    now = platform.clock.now()
+    cooldown = platform.clock.delta(limits.aimd_cooldown_seconds)
+
     def tx(conn) -> int | None:
         row = conn.execute(_STATE, (key,)).fetchone()
         if not row["capacity"]:
             return None
+        if row["limited"] and row["changed_at"] is not None and now - row["changed_at"] < cooldown:
+            return None  # this burst already cut the limit
         new = max(limits.aimd_min_units, row["effective"] * limits.aimd_decrease_pct // 100)
         if new < row["effective"]:
             set_limit(conn, key, new)
+            conn.execute("update resource_pool_shard set updated_at = %s where resource_key = %s", (now, key))
         return new
 
     new = platform.db.transaction(tx)

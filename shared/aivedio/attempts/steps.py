@@ -75,6 +75,11 @@ class _Ctx:
     def count(self, name: str) -> int:
         return int(self.step.get(name) or 0)
 
+    def heartbeat(self) -> None:
+        """Renew the lease while a step only waits (backoff, lookups that cannot decide yet), so
+        the lease scanner does not start a second execution beside this live one."""
+        self.tx(lambda conn: renew_lease(conn, self.ref, self.now, self.lease_until()))
+
 
 # --- routing ------------------------------------------------------------------------------------------
 
@@ -270,6 +275,7 @@ def resolve(platform, ref: AttemptRef, step: Step | None = None) -> Step:
     except ProviderError as e:
         if age > _safe_window(ctx, None):
             return _to_manual_review(ctx, "SUBMIT_UNKNOWN_UNRESOLVED", f"lookups failing for {age:.0f}s: {e.message}")
+        ctx.heartbeat()
         return wait("resolve", _backoff(ctx, errors + 1, ctx.timers.unknown_backoff_max_seconds), errors=errors + 1)
     if lookup.items:
         job = lookup.items[0]
@@ -312,6 +318,7 @@ def resolve(platform, ref: AttemptRef, step: Step | None = None) -> Step:
     if age > _safe_window(ctx, lookup.idempotency_window_seconds):
         return _to_manual_review(ctx, "SUBMIT_UNKNOWN_UNRESOLVED",
                                  f"no job found and absence not provable after {age:.0f}s")
+    ctx.heartbeat()
     if not settled:
         remaining = 2 * prov.timeout_seconds - (ctx.now - sent_at).total_seconds()
         return wait("resolve", max(1.0, remaining * platform.clock.time_scale), errors=errors)
@@ -350,9 +357,11 @@ def check(platform, ref: AttemptRef, step: Step | None = None) -> Step:
     try:
         job = adapter(platform, attempt["provider"]).get(attempt["provider_account"], attempt["provider_job_id"])
     except ProviderError:
+        ctx.heartbeat()
         delay = min(ctx.timers.poll_error_backoff_max_seconds, ctx.timers.poll_first_seconds * 2 ** errors)
         return wait("check", jitter(delay), polls=polls, errors=errors + 1)
     if job is None:
+        ctx.heartbeat()
         if errors + 1 >= LOST_JOB_POLLS:
             return _to_manual_review(ctx, "PROVIDER_LOST_JOB", f"the provider answers 404 for job {attempt['provider_job_id']}")
         return wait("check", ctx.timers.poll_min_seconds, polls=polls, errors=errors + 1)
@@ -391,6 +400,7 @@ def cancel(platform, ref: AttemptRef, step: Step | None = None) -> Step:
         prov.cancel(attempt["provider_account"], attempt["provider_job_id"])
         job = prov.get(attempt["provider_account"], attempt["provider_job_id"])
     except ProviderError:
+        ctx.heartbeat()
         return wait("cancel", jitter(min(ctx.timers.poll_error_backoff_max_seconds, 2.0 * 2 ** errors)), errors=errors + 1)
 
     def apply(conn) -> Step:
