@@ -3,7 +3,6 @@ tick, dispatch, the workflow runner executing the project's workflow definition,
 simulator (with webhooks back to the API), and the terminal transition."""
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -11,6 +10,7 @@ from aivedio.config import PlatformConfig, ProviderConfig, SimulatorBehaviour, T
 from aivedio.local.runtime import LocalRuntime
 from tests.admission_support import Api, new_tenant
 from tests.scheduler_support import UNCAPPED
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.xdist_group("attempts")
 
@@ -24,16 +24,6 @@ def fast_config(**behaviour) -> PlatformConfig:
         timers=Timers(scheduler_tick_seconds=0.5, outbox_relay_seconds=0.1, poll_first_seconds=4, poll_min_seconds=4,
                       poll_max_seconds=8, unknown_first_check_seconds=2, lease_seconds=60),
     )
-
-
-def wait_for(predicate, timeout=60.0, interval=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def states(conn, tenant_id) -> dict[str, int]:

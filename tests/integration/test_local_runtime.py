@@ -18,18 +18,9 @@ from aivedio.config import Limits, PlatformConfig
 from aivedio.local import consumers
 from aivedio.local.lambda_context import FakeLambdaContext
 from aivedio.local.runtime import LocalRuntime, Loop
+from tests.waiting import wait_for
 
 EVENTS = Path(__file__).resolve().parents[2] / "events"
-
-
-def wait_for(predicate, timeout=10.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from aivedio.providers.adapter import (Accepted, HttpProviderAdapter, NotAccepte
                                        Unknown, build_adapters)
 from aivedio.providers.simulator import SimulatorServer, start_simulators
 from aivedio.providers.webhooks import verify_webhook
+from tests.waiting import wait_for as wait_until
 
 AMOUNT = re.compile(r"^-?\d+\.\d{4}$")
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
@@ -65,16 +66,6 @@ def req(n: int | str = 1, callback_url=None, **kw) -> SubmitRequest:
                client_request_id=f"crid-{n}", callback_url=callback_url)
     doc.update(kw)
     return SubmitRequest(**doc)
-
-
-def wait_until(pred, timeout=5.0, interval=0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
 
 
 def jobs_with_key(s: SimulatorServer, key: str) -> list[dict]:
