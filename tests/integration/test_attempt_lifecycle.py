@@ -3,7 +3,6 @@ tick, dispatch, the workflow runner executing the project's workflow definition,
 simulator (with webhooks back to the API), and the terminal transition."""
 from __future__ import annotations
 
-
 import pytest
 
 from aivedio.config import PlatformConfig, ProviderConfig, SimulatorBehaviour, Timers
