@@ -16,6 +16,7 @@ from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
+from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
 from aivedio import metrics_catalog
@@ -26,6 +27,7 @@ from layers import build as layer_build
 
 FUNCTIONS_DIR = ROOT / "functions"
 RUNTIME = lambda_.Runtime("python" + layer_build.PYTHON_VERSION, lambda_.RuntimeFamily.PYTHON)
+STATE_MACHINE_ENV = "AIVEDIO_ATTEMPT_STATE_MACHINE_ARN"  # aivedio.config.settings_from_env reads it
 ARCHITECTURE = lambda_.Architecture.X86_64 if layer_build.ARCHITECTURE == "x86_64" else lambda_.Architecture.ARM_64
 
 
@@ -71,6 +73,11 @@ PROFILES: dict[str, FunctionProfile] = {
     "attempt_recovery": FunctionProfile(
         "Lease scanner: restarts the workflow of attempts whose execution was lost", timeout_seconds=120,
         database=True, starts_workflow=True),
+    "settlement": FunctionProfile(
+        "Consumes TaskSucceeded/TaskFailed/TaskCancelled: settles credit at the locked price, records provider cost",
+        timeout_seconds=60, database=True),
+    "credit_expiry": FunctionProfile(
+        "Subscription grants, credit-lot expiry sweep, retry of parked settlements", timeout_seconds=300, database=True),
     "db_migrate": FunctionProfile(
         "Applies schema migrations on deploy (custom resource)", timeout_seconds=600, database=True, migrates=True),
 }
@@ -197,6 +204,18 @@ class Functions(Construct):
 
     def __getitem__(self, name: str) -> AppFunction:
         return self.by_name[name]
+
+    def connect_workflow(self, state_machine: sfn.IStateMachine | None) -> None:
+        """Each function whose profile says `starts_workflow`: states:StartExecution on the attempt
+        state machine only (no Describe, no Stop, no other state machine), and its ARN in
+        AIVEDIO_ATTEMPT_STATE_MACHINE_ARN (aivedio.attempts.executions starts executions there)."""
+        starters = [fn for fn in self if fn.profile.starts_workflow]
+        if starters and state_machine is None:
+            raise SystemExit(f"{starters[0].name} starts the attempt workflow, but no state machine was built "
+                             "(infra_cdk/workflows.py)")
+        for fn in starters:
+            state_machine.grant_start_execution(fn.role)
+            fn.add_environment(STATE_MACHINE_ENV, state_machine.state_machine_arn)
 
     def __iter__(self):
         return iter(self.by_name.values())

@@ -7,19 +7,22 @@ for `video-standard` (FFmpeg transcodes), NVIDIA GPU instances with the ECS GPU 
 vCPUs and sit in private subnets with a NAT route: workers fetch provider results from the
 internet and read and write the media bucket.
 
-Image: `ContainerImage.from_asset("containers/gpu-render")` only stages the directory at synth
-time (Docker builds it when `cdk deploy` publishes the asset), but it needs a Dockerfile there,
-which arrives with the media issue. Until then, or with `-c render_image=ecr`, the job
-definitions use an ECR repository this stack creates and the image tag given by the
-`GpuRenderImageTag` parameter (pushed by CI), so deploying needs no Docker at all."""
+Image (`-c render_image=auto|asset|ecr`, default auto = asset when the Dockerfile exists):
+- asset: `ContainerImage.from_asset` builds containers/gpu-render/Dockerfile with the repository
+  root as context (the image installs the project), narrowed by Dockerfile.dockerignore beside
+  it. Synthesis only stages those files into cdk.out (no Docker, offline); Docker builds the
+  image when `cdk deploy` publishes the asset.
+- ecr: an ECR repository this stack creates and the image tag given by the `GpuRenderImageTag`
+  parameter (pushed by CI), so deploying needs no Docker at all."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aws_cdk import CfnParameter, Duration, RemovalPolicy, Size
+from aws_cdk import CfnParameter, Duration, IgnoreMode, RemovalPolicy, Size
 from aws_cdk import aws_batch as batch
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_ecr as ecr
+from aws_cdk import aws_ecr_assets as ecr_assets
 from aws_cdk import aws_ecs as ecs
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_logs as logs
@@ -32,6 +35,13 @@ from infra_cdk.network import EGRESS
 from infra_cdk.stages import ROOT, StageConfig
 
 RENDER_DIR = ROOT / "containers" / "gpu-render"
+RENDER_DOCKERFILE = "containers/gpu-render/Dockerfile"  # relative to the build context, ROOT
+
+
+def render_context_exclude() -> list[str]:
+    """Docker ignore rules of the image's build context (Dockerfile.dockerignore)."""
+    text = (RENDER_DIR / "Dockerfile.dockerignore").read_text()
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,9 @@ class Media(Construct):
         super().__init__(scope, cid)
         self.image_source = image_source(render_image)
         if self.image_source == "asset":
-            image = ecs.ContainerImage.from_asset(str(RENDER_DIR))
+            image = ecs.ContainerImage.from_asset(
+                str(ROOT), file=RENDER_DOCKERFILE, exclude=render_context_exclude(), ignore_mode=IgnoreMode.DOCKER,
+                platform=ecr_assets.Platform.LINUX_AMD64)  # the compute environments are x86_64
             self.repository = None
         else:
             self.repository = ecr.Repository(

@@ -8,7 +8,9 @@ are open sets, so their graphs use SEARCH expressions.
 
 Alarms (to one SNS topic, encrypted with a key CloudWatch may use): starvation (a lane's oldest
 wait over its max_wait_seconds), outbox backlog, every DLQ holding a message, reconciliation
-breaks, and errors of the scheduled functions (a failing tick or relay halts the platform).
+breaks, errors of the scheduled functions (a failing tick or relay halts the platform), and
+attempt workflow executions that fail or time out (a step raised: the lease scanner restarts the
+attempt, but a step that keeps raising needs a look).
 
 The catalog's gauges and counters are emitted by the capabilities that own them (scheduler,
 attempts, reconcilers); until they do, those graphs stay empty and those alarms stay in
@@ -22,6 +24,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sqs as sqs
+from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 
 from aivedio import events_routing
@@ -48,7 +51,8 @@ def search(spec: mc.MetricSpec, label: str) -> cw.MathExpression:
 
 class Observability(Construct):
     def __init__(self, scope: Construct, cid: str, *, stage: StageConfig, functions: Functions,
-                 queues: dict[str, sqs.IQueue], dlqs: dict[str, sqs.IQueue]) -> None:
+                 queues: dict[str, sqs.IQueue], dlqs: dict[str, sqs.IQueue],
+                 state_machine: sfn.IStateMachine | None = None) -> None:
         super().__init__(scope, cid)
         key = kms.Key(self, "AlarmTopicKey", enable_key_rotation=True, removal_policy=stage.removal_policy,
                       description=f"{stage.prefix} alarm topic")
@@ -89,6 +93,14 @@ class Observability(Construct):
                 alarm(f"errors-{fn.name.replace('_', '-')}",
                       fn.function.metric_errors(period=Duration.minutes(5), statistic="Sum"),
                       threshold=0, periods=2, description=f"{fn.name} failing for 10 minutes")
+        if state_machine is not None:
+            workflow_failures = cw.MathExpression(
+                expression="failed + timedout", label="failed or timed out", period=Duration.minutes(5),
+                using_metrics={"failed": state_machine.metric_failed(period=Duration.minutes(5), statistic="Sum"),
+                               "timedout": state_machine.metric_timed_out(period=Duration.minutes(5), statistic="Sum")})
+            alarm("attempt-workflow-failures", workflow_failures, threshold=0, periods=1,
+                  description="attempt workflow executions failed or timed out (the Fail state Abandoned: a "
+                              "step raised after its retries); the lease scanner restarts those attempts")
 
         self.dashboard = cw.Dashboard(self, "Dashboard", dashboard_name=f"{stage.prefix}-operations",
                                       default_interval=Duration.hours(3))
@@ -122,3 +134,11 @@ class Observability(Construct):
             cw.GraphWidget(title="Starvation interventions, reconciliation breaks", width=12,
                            left=[metric(mc.STARVATION_INTERVENTIONS), metric(mc.RECONCILIATION_BREAKS)]),
         )
+        if state_machine is not None:
+            five = Duration.minutes(5)
+            self.dashboard.add_widgets(cw.GraphWidget(
+                title="Attempt workflow executions", width=24,
+                left=[state_machine.metric_started(period=five, statistic="Sum", label="started"),
+                      state_machine.metric_succeeded(period=five, statistic="Sum", label="succeeded"),
+                      state_machine.metric_failed(period=five, statistic="Sum", label="failed"),
+                      state_machine.metric_timed_out(period=five, statistic="Sum", label="timed out")]))

@@ -17,6 +17,7 @@ from aws_cdk import aws_s3 as s3
 from cdk_nag import RegexAppliesTo
 from constructs import Construct
 
+from aivedio.attempts.workflow import STEP_FUNCTION_PLACEHOLDER, definition_json
 from infra_cdk.api import Api
 from infra_cdk.data import PROXY_PORT, Buckets, Database, Redis, SchemaMigration
 from infra_cdk.functions import AppFunction, Functions
@@ -67,7 +68,7 @@ class DataStack(Stack):
 class AppStack(Stack):
     def __init__(self, scope: Construct, cid: str, *, stage: StageConfig, data: DataStack, layer_mode: str,
                  render_image: str | None, **kwargs) -> None:
-        super().__init__(scope, cid, description=f"AiVedio {stage.name}: functions, API, messaging, media", **kwargs)
+        super().__init__(scope, cid, description=f"AiVedio {stage.name}: functions, API, messaging, workflows, media", **kwargs)
         tag(self, "aivedio:stage", stage.name)
         self.add_stack_dependency(data) if hasattr(self, "add_stack_dependency") else self.add_dependency(data)
         vpc = data.network.vpc
@@ -104,7 +105,13 @@ class AppStack(Stack):
         self.messaging = Messaging(self, "Messaging", stage=stage, functions=self.functions)
         apis = [fn for fn in self.functions if fn.profile.api]
         self.api = Api(self, "Api", stage=stage, fn=apis[0]) if apis else None
-        self.workflows = Workflows(self, "Workflows", stage=stage, functions=self.functions)
+        # The attempt workflow, from the one definition the local runner also executes; its Tasks
+        # invoke attempt_step. Same stack as the functions, so no cross-stack reference cycle.
+        self.workflows = Workflows(self, "Workflows", stage=stage, functions=self.functions,
+                                   definition=definition_json(),
+                                   substitutions={STEP_FUNCTION_PLACEHOLDER: "attempt_step"})
+        self.functions.connect_workflow(self.workflows.state_machine)
         self.media = Media(self, "Media", stage=stage, vpc=vpc, media_bucket=data.buckets.media, render_image=render_image)
         self.observability = Observability(self, "Observability", stage=stage, functions=self.functions,
-                                           queues=self.messaging.queues, dlqs=self.messaging.dlqs)
+                                           queues=self.messaging.queues, dlqs=self.messaging.dlqs,
+                                           state_machine=self.workflows.state_machine)

@@ -10,15 +10,23 @@ from aws_lambda_powertools.utilities.data_classes.sqs_event import SQSRecord
 
 from aivedio.attempts import executions
 from aivedio.attempts.lifecycle import AttemptRef
+from aivedio.config import settings_from_env
 from aivedio.context import get_platform
 from aivedio.observability import logger
 
 processor = BatchProcessor(event_type=EventType.SQS)
 
 
+_settings = settings_from_env()
+_extras: dict = {}
+
+
 def record_handler(record: SQSRecord) -> None:
-    payload = json.loads(record.body)["payload"]
-    executions.start(get_platform(), AttemptRef.of(payload))
+    ref = AttemptRef.of(json.loads(record.body)["payload"])
+    if _settings.attempt_state_machine_arn:  # AWS: Step Functions; no database connection needed
+        executions.start_with(_settings, _extras, ref)
+    else:  # locally: the workflow runner of the platform this process serves
+        executions.start(get_platform(), ref)
 
 
 @logger.inject_lambda_context(clear_state=True)

@@ -81,6 +81,11 @@ def capabilities(template: dict, fn: dict) -> set[str]:
                 caps.add("xray")
             elif action == "rds-db:connect":
                 caps.add("db")
+            elif action == "states:StartExecution":
+                for r in resources:
+                    machine = template["Resources"][_ref_id(r)]
+                    assert machine["Type"] == "AWS::StepFunctions::StateMachine", r
+                    caps.add(f"start-workflow:{machine['Properties']['StateMachineName']}")
             elif action in ("secretsmanager:GetSecretValue", "secretsmanager:DescribeSecret"):
                 assert all("RedisUserSecret" in json.dumps(r) for r in resources), resources
                 caps.add("redis-secret")
@@ -111,6 +116,8 @@ def expected_capabilities(stage: str, name: str, profile: FunctionProfile) -> se
         caps.add(f"send:{queue_name(stage, 'unrouted')}")
     if name in events_routing.consumers():
         caps.add(f"consume:{queue_name(stage, name)}")
+    if profile.starts_workflow:
+        caps.add(f"start-workflow:{STAGES[stage].prefix}-attempt")
     caps |= {f"s3-read:{p}" for p in profile.media_read_prefixes}
     caps |= {f"s3-write:{p}" for p in profile.media_write_prefixes}
     return caps

@@ -1,4 +1,4 @@
-"""State, the API edge, Batch, observability and the (absent, for now) workflow."""
+"""State, the API edge, Batch and observability (the workflow: test_workflows.py)."""
 from __future__ import annotations
 
 import pytest
@@ -137,6 +137,24 @@ def test_batch_environments_have_the_resource_classes_instance_types(synth, stag
         assert env_ids[order["ComputeEnvironment"]["Fn::GetAtt"][0]] == name
 
 
+def test_job_definitions_run_the_gpu_render_image_built_from_its_dockerfile(synth, stage):
+    """The asset is staged at synth (no Docker): the Dockerfile of containers/gpu-render, with the
+    repository root as context, narrowed to what the image installs."""
+    images = json.loads((synth.outdir / f"AiVedio-{stage}-App.assets.json").read_text())["dockerImages"]
+    [(asset_hash, asset)] = images.items()
+    assert asset["source"]["dockerFile"] == "containers/gpu-render/Dockerfile"
+    assert asset["source"]["platform"] == "linux/amd64"
+    staged = synth.outdir / asset["source"]["directory"]
+    assert sorted(p.name for p in staged.iterdir()) == ["containers", "pyproject.toml", "shared"]
+    assert sorted(p.name for p in (staged / "containers" / "gpu-render").iterdir()) == \
+        ["Dockerfile", "Dockerfile.dockerignore", "README.md", "worker.py"]
+    assert (staged / "shared" / "aivedio" / "__init__.py").is_file()
+    assert not list(staged.rglob("__pycache__")) and not list(staged.rglob("*.egg-info"))
+    for job in synth.resources(stage, "App", "AWS::Batch::JobDefinition").values():
+        assert asset_hash in json.dumps(job["Properties"]["ContainerProperties"]["Image"])
+    assert not synth.resources(stage, "App", "AWS::ECR::Repository")  # the asset replaces the CI-pushed image
+
+
 # --- observability ----------------------------------------------------------------------------
 
 def test_dashboard_shows_the_required_figures(synth, stage):
@@ -160,11 +178,3 @@ def test_alarms_cover_starvation_backlog_dlqs_and_reconciliation(synth, stage):
     dlq_alarms = [a for n, a in alarms.items() if n.startswith(f"{prefix}dlq-")]
     assert dlq_alarms and all(a["MetricName"] == "ApproximateNumberOfMessagesVisible" for a in dlq_alarms)
     assert all(a["AlarmActions"] for a in alarms.values())
-
-
-# --- workflows --------------------------------------------------------------------------------
-
-def test_no_state_machine_until_the_workflow_definition_exists(synth, stage):
-    """Issue 7's "the state machine's definition equals the project's workflow definition" waits
-    for the attempt-lifecycle issue's definition; infra_cdk/workflows.py says how it plugs in."""
-    assert not synth.resources(stage, "App", "AWS::StepFunctions::StateMachine")

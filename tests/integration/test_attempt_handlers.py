@@ -70,3 +70,26 @@ def test_attempt_recovery_with_nothing_expired(installed):
     from functions.attempt_recovery.handler import lambda_handler
 
     assert lambda_handler(sample("attempt_recovery"), FakeLambdaContext("aivedio-attempt_recovery")) == {"restarted": 0}
+
+
+def test_dispatch_in_aws_starts_one_step_functions_execution_without_a_database(monkeypatch):
+    """With the state machine's ARN set, dispatch needs no platform: no database, no runner."""
+    import boto3
+    from moto import mock_aws
+
+    import functions.dispatch.handler as dispatch
+    from aivedio.attempts.workflow import definition_json
+    from aivedio.config import Settings
+
+    with mock_aws():
+        sfn = boto3.client("stepfunctions", region_name="us-east-1")
+        arn = sfn.create_state_machine(name="aivedio-dev-attempt", definition=definition_json(),
+                                       roleArn="arn:aws:iam::123456789012:role/sfn")["stateMachineArn"]
+        monkeypatch.setattr(dispatch, "_settings", Settings(attempt_state_machine_arn=arn))
+        monkeypatch.setattr(dispatch, "_extras", {"sfn_client": sfn})
+        set_platform(None)
+        monkeypatch.setattr("aivedio.context.build_platform", lambda *a, **k: pytest.fail("dispatch built a platform"))
+        for _ in range(2):
+            assert dispatch.lambda_handler(sample("dispatch"), FakeLambdaContext("aivedio-dispatch")) == {"batchItemFailures": []}
+        [ex] = sfn.list_executions(stateMachineArn=arn)["executions"]
+        assert ex["name"] == json.loads(sample("dispatch")["Records"][0]["body"])["payload"]["attempt_id"]

@@ -8,6 +8,7 @@ import json
 
 from aivedio.attempts.lifecycle import AttemptRef
 from aivedio.attempts.workflow import STEP_FUNCTION_PLACEHOLDER, definition, execution_input, substitute
+from aivedio.config import Settings
 from aivedio.observability import logger
 
 LOCAL_STEP_RESOURCE = "local:attempt_step"
@@ -23,19 +24,25 @@ def local_definition() -> dict:
 
 def start(platform, ref: AttemptRef, *, recoveries: int = 0) -> str:
     """Start the attempt's workflow; a second start of the same execution changes nothing."""
+    return start_with(platform.settings, platform.extras, ref, recoveries=recoveries)
+
+
+def start_with(settings: Settings, extras: dict, ref: AttemptRef, *, recoveries: int = 0) -> str:
+    """start() from settings and the process's extras alone: in AWS, starting an execution needs
+    no database, so the dispatch function has none."""
     name = execution_name(ref, recoveries)
     doc = execution_input(ref.as_dict())
-    arn = platform.settings.attempt_state_machine_arn
+    arn = settings.attempt_state_machine_arn
     if arn:
         import boto3
 
-        client = platform.extras.get("sfn_client") or boto3.client("stepfunctions")
+        client = extras.get("sfn_client") or boto3.client("stepfunctions")
         try:
             client.start_execution(stateMachineArn=arn, name=name, input=json.dumps(doc))
         except client.exceptions.ExecutionAlreadyExists:
             logger.info("attempt workflow already started", extra={**ref.log(), "execution": name})
         return name
-    runner = platform.extras.get("workflow_runner")
+    runner = extras.get("workflow_runner")
     if runner is None:
         raise RuntimeError("no workflow runner in this process and no AIVEDIO_ATTEMPT_STATE_MACHINE_ARN")
     from aivedio.local.workflow_runner import ExecutionAlreadyExists
