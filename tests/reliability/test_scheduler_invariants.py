@@ -12,8 +12,8 @@ Real OS processes (multiprocessing 'spawn'), one PostgreSQL database, one Redis:
   learns of it, as a real one does: its count is what ran at the provider, not what we booked;
 - a checker thread in this process samples PostgreSQL in one REPEATABLE READ snapshot at a time.
 
-Faults: one scheduler is killed with SIGKILL in the middle of a claim transaction (after some of
-its conditional increments, before its commit), and ~8% of completions are delivered twice, half
+Faults: one scheduler is killed with SIGKILL in the middle of a claim transaction (after its
+conditional increments, before its commit), and ~8% of completions are delivered twice, half
 of them racing the first delivery, half late from the other dispatcher.
 
 Checked continuously and at the end: no account above its max_concurrency (the simulator's own
@@ -183,39 +183,31 @@ def admitter_main(db_url, redis_url, prefix, config_json, plan, events, go, stop
 
 def scheduler_main(db_url, redis_url, prefix, config_json, idx, events, go, stop, arm) -> None:
     """One scheduler replica: ticks in a loop. With `arm` (only the victim has one), the first claim
-    after arm is set stops inside its transaction, after some conditional increments, reports
-    what it holds, and waits to be killed."""
-    from aivedio.scheduling import claim as claim_mod
+    after arm is set stops inside its transaction, after its conditional increments and before the
+    commit, reports what it holds, and waits to be killed."""
     from aivedio.scheduling import scheduler as sched_mod
     from aivedio.scheduling.scheduler import Scheduler
 
     try:
         p = _child_platform(db_url, redis_url, prefix, config_json, 3)
         if arm is not None:
-            current: dict = {}
-            real_claim, real_increment = sched_mod.claim, claim_mod.try_increment
+            real_claim = sched_mod.claim
 
-            def traced_claim(conn, task, *a, **kw):
-                current["task"], current["n"] = task, 0
-                return real_claim(conn, task, *a, **kw)
-
-            def stalling_increment(conn, key, units, prefer, shards):
-                shard = real_increment(conn, key, units, prefer, shards)
-                current["n"] += shard is not None
-                if arm.is_set() and shard is not None and current["n"] >= 3:
-                    t = current["task"]
+            def stalling_claim(conn, task, *a, **kw):
+                claimed = real_claim(conn, task, *a, **kw)  # increments, attempt, reservations, outbox: not committed
+                if arm.is_set():
                     mine = conn.execute(
                         "select state, current_attempt_id, pg_backend_pid() as pid from generation_task where task_id = %s",
-                        (t["task_id"],)).fetchone()
-                    held = conn.execute("select count(*) as n from resource_pool_shard where used_units > 0").fetchone()["n"]
-                    events.put(("in_claim", {"task_id": str(t["task_id"]), "attempt_id": str(mine["current_attempt_id"]),
+                        (task["task_id"],)).fetchone()
+                    held = conn.execute("select count(*) as n from resource_reservation where attempt_id = %s",
+                                        (claimed.attempt_id,)).fetchone()["n"]
+                    events.put(("in_claim", {"task_id": str(task["task_id"]), "attempt_id": str(mine["current_attempt_id"]),
                                              "state_in_tx": mine["state"], "backend_pid": mine["pid"],
-                                             "increments": current["n"], "last_key": key, "shards_in_use": held}, os.getpid()))
-                    time.sleep(600)  # SIGKILL arrives here
-                return shard
+                                             "increments": held}, os.getpid()))
+                    time.sleep(600)  # SIGKILL arrives here, before the commit
+                return claimed
 
-            sched_mod.claim = traced_claim
-            claim_mod.try_increment = stalling_increment
+            sched_mod.claim = stalling_claim
         s = Scheduler(p)
         books = SimBooks(p.cache.r, prefix)
         events.put(("ready", "scheduler", os.getpid()))

@@ -2,7 +2,8 @@
 resource keys in sorted order): CAS the task QUEUED -> DISPATCHING, conditionally increment each
 resource shard it needs (any failure rolls the claim back), write the resource_reservation rows, the
 task_attempt with a fencing token from a monotonic sequence, and the TaskDispatchRequested outbox
-event. Nothing external happens before that commit."""
+event. Nothing external happens before that commit. The steps run server-side, in the
+aivedio_claim function of migration 0050, so a claim costs one round trip."""
 from __future__ import annotations
 
 import uuid
@@ -10,9 +11,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import psycopg
+from psycopg.types.json import Jsonb
 
-from aivedio import outbox
-from aivedio.scheduling.resources import Demand, account_key, ensure_pools, preferred_shard, provider_key, try_increment
+from aivedio.scheduling.resources import Demand, account_key, ensure_pools, preferred_shard, provider_key
 from aivedio.scheduling.router import Route
 
 ENTERPRISE = "ENTERPRISE_RESERVED"
@@ -83,79 +84,68 @@ def claim(
     ensured: set[tuple[str, int]],
     prefer: int | None = None,
 ) -> Claimed:
-    """Claim one task inside the caller's transaction, under a savepoint: on NoRoom everything this
-    claim wrote is rolled back and the task stays QUEUED. `prefer` picks the shard of every sharded
-    key; a caller claiming several tasks in one transaction passes the same value for all of them,
-    so the transaction locks one shard per key, in key order, and two batches never deadlock."""
-    attempt_id = uuid.uuid4()
-    mode = "BORROWED" if borrowed else "NORMAL"
+    """Claim one task inside the caller's transaction: one call of the aivedio_claim function
+    (migration 0050), which does every step of the module docstring in one subtransaction. On
+    NoRoom nothing it wrote remains and the task stays QUEUED. `prefer` picks the shard of every
+    sharded key; a caller claiming several tasks in one transaction passes the same value for all
+    of them, so the transaction locks one shard per key, in key order, and two batches never
+    deadlock."""
+    caps = {d.key: cap for d, cap in tenant_demands(task, policy)}
+    missing = [(key, cap) for key, cap in caps.items() if (key, cap) not in ensured]
+    if not missing:
+        return _claim(conn, task, route, policy, caps, lane_key=lane_key, borrowed=borrowed, shards=shards,
+                      lease_seconds=lease_seconds, now=now, ensured=ensured, prefer=prefer)
+    # First contact (or a new policy version): the tenant's pools are created with the claim, under a
+    # savepoint, so a claim that finds no room takes them back with it.
     with conn.transaction():
-        row = conn.execute(
-            """update generation_task
-                  set state = 'DISPATCHING', version = version + 1, updated_at = %(now)s,
-                      current_attempt_id = %(a)s, current_fencing_token = nextval('fencing_token_seq'),
-                      selected_provider = %(p)s, selected_account = %(acct)s, capacity_mode = %(mode)s
-                where task_id = %(t)s and tenant_id = %(tenant)s and state = 'QUEUED' and version = %(v)s
-                returning version, current_fencing_token""",
-            {"now": now, "a": attempt_id, "p": route.provider, "acct": route.account, "mode": mode,
-             "t": task["task_id"], "tenant": task["tenant_id"], "v": task["version"]},
-        ).fetchone()
-        if row is None:
-            raise NoRoom("task:moved")
-        fencing = row["current_fencing_token"]
-        # Pools of per-tenant caps follow the policy version; the missing ones in one round trip.
-        caps = {d.key: cap for d, cap in tenant_demands(task, policy)}
-        missing = [(key, cap) for key, cap in caps.items() if (key, cap) not in ensured]
-        if missing:
-            ensure_pools(conn, [(key, cap, 1) for key, cap in missing])
-        all_demands = sorted(demands_for(task, route, lane_key=lane_key, borrowed=borrowed, shards=shards)
-                             + [d for d, _ in tenant_demands(task, policy)], key=lambda d: d.key)
-        if prefer is None:
-            prefer = preferred_shard(task["task_id"])
-        taken: list[tuple[Demand, int]] = []
-        for d in all_demands:
-            if d.units <= 0:
-                continue
-            shard = try_increment(conn, d.key, d.units, prefer, d.shards)
-            if shard is None and d.key in caps and (d.key, caps[d.key]) in ensured and not _pool_exists(conn, d.key):
-                # `ensured` outlives transactions: a visit retried after a deadlock rolled back the
-                # pool it noted. Without the pool every claim of the tenant would fail as CAPPED.
-                ensure_pools(conn, [(d.key, caps[d.key], 1)])
-                shard = try_increment(conn, d.key, d.units, prefer, d.shards)
-            if shard is None:
-                raise NoRoom(d.key)
-            taken.append((d, shard))
-        lease_until = now.timestamp() + lease_seconds
-        conn.execute(
-            """insert into task_attempt (attempt_id, task_id, tenant_id, attempt_no, provider, provider_account, region,
-                                         model_code, provider_request_key, state, fencing_token, estimated_cost_amount,
-                                         estimated_cost_currency, capacity_mode, lease_until, created_at, updated_at)
-               select %(a)s, %(t)s, %(tenant)s, coalesce(max(attempt_no), 0) + 1, %(p)s, %(acct)s, %(region)s, %(model)s,
-                      %(t)s::text || ':' || (coalesce(max(attempt_no), 0) + 1)::text, 'DISPATCHING', %(f)s, %(cost)s,
-                      %(cur)s, %(mode)s, to_timestamp(%(lease)s), %(now)s, %(now)s
-                 from task_attempt where task_id = %(t)s""",
-            {"a": attempt_id, "t": task["task_id"], "tenant": task["tenant_id"], "p": route.provider, "acct": route.account,
-             "region": route.region, "model": route.model, "f": fencing, "cost": route.expected_cost, "cur": route.currency,
-             "mode": mode, "lease": lease_until, "now": now},
-        )
-        with conn.cursor() as cur:
-            cur.executemany(
-                """insert into resource_reservation (task_id, attempt_id, tenant_id, resource_key, shard_no, reserved_units,
-                                                     state, lease_until, fencing_token, capacity_mode, created_at)
-                   values (%s, %s, %s, %s, %s, %s, 'ACTIVE', to_timestamp(%s), %s, %s, %s)""",
-                [(task["task_id"], attempt_id, task["tenant_id"], d.key, shard, d.units, lease_until, fencing, mode, now)
-                 for d, shard in taken],
-            )
-        outbox.write_event(conn, "TaskDispatchRequested", aggregate_type="generation_task", aggregate_id=task["task_id"],
-                           tenant_id=task["tenant_id"], payload={
-                               "task_id": str(task["task_id"]), "attempt_id": str(attempt_id), "tenant_id": str(task["tenant_id"]),
-                               "queue_class": task["queue_class"], "provider": route.provider, "provider_account": route.account,
-                               "model_code": route.model, "resource_class": task["resource_class"], "fencing_token": fencing,
-                               "policy_version": task["policy_version"], "aggregate_version": row["version"],
-                               "capacity_mode": mode, "created_at": now.isoformat()})
+        ensure_pools(conn, [(key, cap, 1) for key, cap in missing])
+        claimed = _claim(conn, task, route, policy, caps, lane_key=lane_key, borrowed=borrowed, shards=shards,
+                         lease_seconds=lease_seconds, now=now, ensured=ensured, prefer=prefer)
     # Noted only once the savepoint holds: a claim that failed rolled its new pools back with it.
     ensured.update(missing)
-    return Claimed(task["task_id"], attempt_id, fencing, route, mode, task["fairness_units"])
+    return claimed
+
+
+def _claim(conn: psycopg.Connection, task: dict, route: Route, policy: dict, caps: dict[str, int], *, lane_key: str,
+           borrowed: bool, shards: int, lease_seconds: float, now: datetime, ensured: set[tuple[str, int]],
+           prefer: int | None) -> Claimed:
+    attempt_id = uuid.uuid4()
+    mode = "BORROWED" if borrowed else "NORMAL"
+    demands = sorted((d for d in demands_for(task, route, lane_key=lane_key, borrowed=borrowed, shards=shards)
+                      + [d for d, _ in tenant_demands(task, policy)] if d.units > 0), key=lambda d: d.key)
+    if prefer is None:
+        prefer = preferred_shard(task["task_id"])
+    event_id = uuid.uuid4()
+    payload = {"task_id": str(task["task_id"]), "attempt_id": str(attempt_id), "tenant_id": str(task["tenant_id"]),
+               "queue_class": task["queue_class"], "provider": route.provider, "provider_account": route.account,
+               "model_code": route.model, "resource_class": task["resource_class"], "policy_version": task["policy_version"],
+               "capacity_mode": mode, "created_at": now.isoformat()}
+    params = {"task": task["task_id"], "tenant": task["tenant_id"], "version": task["version"], "attempt": attempt_id,
+              "provider": route.provider, "account": route.account, "region": route.region, "model": route.model,
+              "mode": mode, "cost": route.expected_cost, "currency": route.currency,
+              "lease": datetime.fromtimestamp(now.timestamp() + lease_seconds, tz=now.tzinfo), "now": now,
+              "keys": [d.key for d in demands], "units": [d.units for d in demands], "shards": [d.shards for d in demands],
+              "prefer": prefer, "event_id": event_id, "payload": Jsonb(payload)}
+    for _ in range(2):
+        row = conn.execute(CLAIM, params).fetchone()
+        if row["status"] == "OK":
+            break
+        key = row["detail"]
+        if key in caps and (key, caps[key]) in ensured and not _pool_exists(conn, key):
+            # `ensured` outlives transactions: a visit retried after a deadlock rolled back the
+            # pools it noted. Without them every claim of the tenant would fail as CAPPED.
+            ensure_pools(conn, [(k, cap, 1) for k, cap in caps.items()])
+            continue
+        raise NoRoom(key)
+    else:
+        raise NoRoom(row["detail"])
+    return Claimed(task["task_id"], attempt_id, row["fencing"], route, mode, task["fairness_units"])
+
+
+CLAIM = """select status, detail, fencing, task_version
+             from aivedio_claim(%(task)s, %(tenant)s, %(version)s, %(attempt)s, %(provider)s, %(account)s, %(region)s,
+                                %(model)s, %(mode)s, %(cost)s, %(currency)s, %(lease)s, %(now)s, %(keys)s::text[],
+                                %(units)s::bigint[], %(shards)s::integer[], %(prefer)s, %(event_id)s, %(payload)s)"""
 
 
 def _pool_exists(conn: psycopg.Connection, key: str) -> bool:
