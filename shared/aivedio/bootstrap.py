@@ -6,12 +6,12 @@ from __future__ import annotations
 import psycopg
 
 from aivedio.config import Clock, PlatformConfig
+from aivedio.db.pool import in_transaction
 from aivedio.pricing.price_book import ensure_price_book
 from aivedio.scheduling.resources import ensure_platform_pools
 
 
 def apply_config(conn: psycopg.Connection, config: PlatformConfig, clock: Clock) -> dict:
-    with conn.transaction():
-        ensure_platform_pools(conn, config)
+    in_transaction(conn, lambda c: ensure_platform_pools(c, config))  # retried on deadlock, like every writer
     version = ensure_price_book(conn, config, clock.now())
     return {"price_version_id": str(version)}

@@ -15,13 +15,17 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from aivedio.attempts.lifecycle import AttemptRef, apply_job, record_orphan
+from aivedio.attempts.lifecycle import AttemptRef, apply_job, lock_job, record_orphan
 from aivedio.errors import DomainError, InvalidRequest, NotFound, Unauthenticated
 from aivedio.observability import logger, metrics
 from aivedio.providers.adapter import MalformedDocument, parse_job
 from aivedio.providers.webhooks import verify_webhook
 
 EVENT_TYPES = ("job.succeeded", "job.failed", "job.cancelled", "job.running", "job.queued")
+
+
+MAPPED = """select tenant_id, task_id, attempt_id, fencing_token, provider_account from task_attempt
+             where provider = %s and provider_job_id = %s"""
 
 
 class CallbackRefused(DomainError):
@@ -59,9 +63,12 @@ def receive(platform, provider: str, headers: Mapping[str, str], body: bytes | s
         if conn.execute("select 1 from webhook_receipt where provider = %s and webhook_id = %s",
                         (provider, webhook_id)).fetchone():
             return CallbackResult("duplicate")
-        row = conn.execute(
-            """select tenant_id, task_id, attempt_id, fencing_token, provider_account from task_attempt
-                where provider = %s and provider_job_id = %s""", (provider, job.id)).fetchone()
+        row = conn.execute(MAPPED, (provider, job.id)).fetchone()
+        if row is None:
+            # An adoption of this job may be committing right now: wait for it (it holds the same
+            # lock), then look again; only a job still unmapped is parked.
+            lock_job(conn, provider, job.id)
+            row = conn.execute(MAPPED, (provider, job.id)).fetchone()
         if row is None:
             record_orphan(conn, provider, job.id, None, None, "UNMAPPED", {"status": job.status, "webhook_id": webhook_id})
             return "UNMAPPED", None

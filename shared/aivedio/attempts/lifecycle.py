@@ -77,12 +77,18 @@ def load(conn: psycopg.Connection, ref: AttemptRef, *, lock: bool) -> Loaded | N
     return Loaded(task, attempt, current)
 
 
-def renew_lease(conn: psycopg.Connection, ref: AttemptRef, now: datetime, lease_until: datetime) -> None:
-    """The running workflow's heartbeat: the lease scanner leaves a leased attempt alone."""
-    conn.execute("update task_attempt set lease_until = %s, updated_at = %s where attempt_id = %s and fencing_token = %s",
-                 (lease_until, now, ref.attempt_id, ref.fencing_token))
-    conn.execute("update resource_reservation set lease_until = %s where attempt_id = %s and state = 'ACTIVE'",
-                 (lease_until, ref.attempt_id))
+def renew_lease(conn: psycopg.Connection, ref: AttemptRef, now: datetime, lease_until: datetime) -> bool:
+    """The running workflow's heartbeat: the lease scanner leaves a leased attempt alone. Fenced like
+    every write: only a live attempt is renewed (replacing or finishing an attempt moves it out of
+    LIVE in the same transaction), so a worker that wakes after its attempt was replaced renews
+    nothing. True when renewed."""
+    renewed = conn.execute(
+        "update task_attempt set lease_until = %s, updated_at = %s where attempt_id = %s and fencing_token = %s and state = any(%s)",
+        (lease_until, now, ref.attempt_id, ref.fencing_token, list(LIVE))).rowcount
+    if renewed:
+        conn.execute("update resource_reservation set lease_until = %s where attempt_id = %s and state = 'ACTIVE'",
+                     (lease_until, ref.attempt_id))
+    return bool(renewed)
 
 
 def set_attempt(conn: psycopg.Connection, ref: AttemptRef, now: datetime, **fields: Any) -> None:
@@ -101,6 +107,11 @@ def move(conn: psycopg.Connection, loaded: Loaded, to_state: str, now: datetime,
     if row is None:
         raise RuntimeError(f"task {task['task_id']} moved under its row lock")
     return row
+
+
+def lock_job(conn: psycopg.Connection, provider: str, job_id: str) -> None:
+    """Serializes adopting a job with parking it as unmapped (a transaction-scoped advisory lock)."""
+    conn.execute("select pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"provider-job:{provider}:{job_id}",))
 
 
 def record_orphan(conn: psycopg.Connection, provider: str, job_id: str, account: str | None, attempt_id: UUID | None,
@@ -239,6 +250,7 @@ def apply_job(conn: psycopg.Connection, ref: AttemptRef, job: ProviderJob, *, so
         logger.error("provider reported a second job for one attempt", extra={**ref.log(), "job_id": job.id})
         return Applied("UNCHANGED", task["state"])
     if attempt["provider_job_id"] is None:
+        lock_job(conn, attempt["provider"], job.id)
         set_attempt(conn, ref, now, provider_job_id=job.id)
         # A webhook that overtook the submit's answer was parked as unmapped; the job has its attempt now.
         conn.execute("delete from orphan_provider_job where provider = %s and provider_job_id = %s and reason = 'UNMAPPED'",

@@ -83,8 +83,18 @@ def ensure_pools(conn: psycopg.Connection, pools: list[tuple[str, int, int]]) ->
 
 
 def ensure_platform_pools(conn: psycopg.Connection, config: PlatformConfig) -> None:
-    for key, (cap, shards) in sorted(platform_pools(config).items()):
-        ensure_pool(conn, key, cap, shards)
+    """Create or resize the config's pools. Only pools whose shards differ from the config are
+    written: an upsert locks its row even when it changes nothing, so touching every shard made a
+    process start wait for (and deadlock with) the claims and releases running, and it lifted the
+    adaptive limits (AIMD) that a start must leave alone."""
+    pools = platform_pools(config)
+    have = {(r["resource_key"], r["shard_no"]): r["capacity_units"]
+            for r in conn.execute("select resource_key, shard_no, capacity_units from resource_pool_shard where resource_key = any(%s)",
+                                  (list(pools),)).fetchall()}
+    todo = [(key, cap, shards) for key, (cap, shards) in sorted(pools.items())
+            if [have.get((key, i)) for i in range(shards)] != split(cap, shards)]
+    if todo:
+        ensure_pools(conn, todo)
 
 
 def set_limit(conn: psycopg.Connection, key: str, total_limit: int | None) -> None:
