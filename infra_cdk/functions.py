@@ -78,6 +78,9 @@ PROFILES: dict[str, FunctionProfile] = {
         timeout_seconds=60, database=True),
     "credit_expiry": FunctionProfile(
         "Subscription grants, credit-lot expiry sweep, retry of parked settlements", timeout_seconds=300, database=True),
+    "wallet_check": FunctionProfile(
+        "Wallet checks: snapshot vs ledger vs reservations vs lots; freezes and alerts on a mismatch",
+        timeout_seconds=600, database=True),
     "db_migrate": FunctionProfile(
         "Applies schema migrations on deploy (custom resource)", timeout_seconds=600, database=True, migrates=True),
 }

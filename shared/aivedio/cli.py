@@ -80,7 +80,7 @@ _EXTENSIONS: list[Callable[[Any], None]] = []
 def _load_extensions() -> None:
     import importlib
 
-    for mod in ("aivedio.admin.cli", "aivedio.bench.cli", "aivedio.simulate.cli", "aivedio.providers.cli", "aivedio.demo"):
+    for mod in ("aivedio.admin.cli", "aivedio.reconcile.cli", "aivedio.bench.cli", "aivedio.simulate.cli", "aivedio.providers.cli", "aivedio.demo"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -228,6 +228,7 @@ class BillingConfig(_Strict):
     compensation_dual_approval_above: int = Field(default=1000, ge=0)  # credits; above it two distinct approvers
     credit_expiry_seconds: float = Field(default=60.0, gt=0)  # platform seconds between expiry sweeps (locally)
     expiry_batch: int = Field(default=500, gt=0)  # lots expired per sweep transaction
+    wallet_check_seconds: float = Field(default=3600.0, gt=0)  # platform seconds between wallet checks (locally)
     budget_alert_pct: int = Field(default=70, gt=0, le=100)  # alert
     budget_restrict_pct: int = Field(default=90, gt=0, le=100)  # refuse costly and low-priority work
     budget_reject_pct: int = Field(default=100, gt=0, le=1000)  # refuse all new work

@@ -44,6 +44,9 @@ class Schedule:
 SUBSCRIPTIONS: tuple[Subscription, ...] = (
     Subscription("TaskQueued", "queue_indexer"),
     Subscription("TaskDispatchRequested", "dispatch"),
+    Subscription("TaskSucceeded", "settlement"),
+    Subscription("TaskFailed", "settlement"),
+    Subscription("TaskCancelled", "settlement"),
 )
 
 SCHEDULES: tuple[Schedule, ...] = (
@@ -51,6 +54,8 @@ SCHEDULES: tuple[Schedule, ...] = (
     Schedule("scheduler-tick", "scheduler_tick", lambda c: c.timers.scheduler_tick_seconds, 1),
     Schedule("scheduler-maintenance", "scheduler_maintenance", lambda c: c.timers.aging_step_seconds / 4, 1),
     Schedule("attempt-recovery", "attempt_recovery", lambda c: c.timers.attempt_recovery_seconds, 1),
+    Schedule("credit-expiry", "credit_expiry", lambda c: c.billing.credit_expiry_seconds, 5),
+    Schedule("wallet-check", "wallet_check", lambda c: c.billing.wallet_check_seconds, 30),
 )
 
 

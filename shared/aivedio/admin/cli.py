@@ -33,3 +33,7 @@ def register(sub) -> None:
     c.add_argument("--config", default=None)
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=_tenant_create)
+
+    from aivedio.billing.cli import register_admin  # refunds, compensation, wallets, budgets, costs (issue 6)
+
+    register_admin(admin)

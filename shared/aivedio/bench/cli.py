@@ -26,6 +26,14 @@ def _bench(args: argparse.Namespace) -> int:
     if args.only in (None, "scheduler"):
         schedulers = args.schedulers or max(2, cpus + 1)
         report["scheduler"] = bench_scheduler(db_url, redis_url, workers=schedulers, seconds=args.seconds)
+    if args.only in (None, "settlement"):
+        from aivedio.bench.settlement import bench_settlement
+
+        settlers = args.settlers or max(2, cpus + 1)
+        pg = run_pgbench(db_url, clients=settlers, seconds=args.seconds)
+        st = bench_settlement(db_url, workers=settlers, seconds=args.seconds)
+        ratio = round(st["settlements_per_second"] / pg["tps"], 3) if pg.get("tps") and st["settlements_per_second"] else None
+        report["settlement"] = {**st, "baseline_pgbench_tpcb_like": pg, "ratio_vs_pgbench": ratio, "target_ratio": 0.5}
     _emit(report, args.json)
     return 0
 
@@ -37,5 +45,6 @@ def register(sub) -> None:
     b.add_argument("--workers", type=int, default=None, help="API processes (Lambda instances)")
     b.add_argument("--clients", type=int, default=None, help="concurrent load clients, and pgbench clients")
     b.add_argument("--schedulers", type=int, default=None, help="scheduler processes (tick replicas), and their pgbench clients")
-    b.add_argument("--only", choices=["admission", "scheduler"], default=None)
+    b.add_argument("--settlers", type=int, default=None, help="settlement processes (Lambda instances), and their pgbench clients")
+    b.add_argument("--only", choices=["admission", "scheduler", "settlement"], default=None)
     b.set_defaults(fn=_bench)

@@ -10,6 +10,9 @@ import psycopg
 
 # Lower numbers are spent first when expiries tie: promotional credit before paid credit.
 LOT_PRIORITY = {"PROMOTIONAL": 0, "COMPENSATION": 5, "SUBSCRIPTION": 10, "PAID": 20}
+# The spending order, of credit_lot aliased `l`: reservations take lots in it, and a settlement
+# consumes a reservation's lots in it (the credit expiring first goes first).
+SPENDING_ORDER = "l.expires_at asc nulls last, l.priority asc, l.created_at asc, l.lot_id"
 
 
 class LotsExhausted(Exception):
@@ -45,9 +48,9 @@ def take_from_lots(conn: psycopg.Connection, wallet_id: UUID, amount: int, now: 
     """Move `amount` from lots' remaining to their reserved part, earliest expiry first, then
     priority. Returns [(lot_id, amount)]. Locks the lots it reads."""
     lots = conn.execute(
-        """select lot_id, remaining_amount from credit_lot
+        f"""select lot_id, remaining_amount from credit_lot l
             where wallet_id = %s and remaining_amount > 0 and (expires_at is null or expires_at > %s)
-            order by expires_at asc nulls last, priority asc, created_at asc, lot_id
+            order by {SPENDING_ORDER}
             for update""",
         (wallet_id, now),
     ).fetchall()
@@ -70,20 +73,12 @@ def take_from_lots(conn: psycopg.Connection, wallet_id: UUID, amount: int, now: 
     return taken
 
 
-def return_to_lots(conn: psycopg.Connection, parts: list[tuple[UUID, int]]) -> None:
-    """Give reserved credit back to the lots it came from (their expiry unchanged)."""
+def refund_to_lots(conn: psycopg.Connection, parts: list[tuple[UUID, int]]) -> None:
+    """Consumed credit that is refunded comes back to the lot it was consumed from, under that
+    lot's original expiry (ch. 20.5.8, 20.13.7): a refund never turns expiring credit into
+    lasting credit. Credit returned to a lot that has expired is booked EXPIRE by the next sweep."""
     with conn.cursor() as cur:
         cur.executemany(
-            """update credit_lot set remaining_amount = remaining_amount + %s, reserved_amount = reserved_amount - %s
-                where lot_id = %s""",
-            [(part, part, lot_id) for lot_id, part in parts if part],
-        )
-
-
-def consume_from_lots(conn: psycopg.Connection, parts: list[tuple[UUID, int]]) -> None:
-    """Reserved credit that was settled leaves the lot for good."""
-    with conn.cursor() as cur:
-        cur.executemany(
-            "update credit_lot set reserved_amount = reserved_amount - %s where lot_id = %s",
+            "update credit_lot set remaining_amount = remaining_amount + %s where lot_id = %s",
             [(part, lot_id) for lot_id, part in parts if part],
         )

@@ -6,6 +6,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import ROUND_CEILING, Decimal
 from uuid import UUID
 
 import psycopg
@@ -93,12 +94,20 @@ def load_version(conn: psycopg.Connection, price_version_id: UUID) -> dict | Non
 def price(rules: dict, est: Estimate) -> tuple[int, str]:
     """Quoted credits for one estimate under one version's rules. Integers only; rounds up."""
     r = rules["models"][est.model]
-    numerator = (r["base_amount"] + r["per_second_amount"] * est.duration_seconds) \
-        * r["resolution_multiplier_pct"][est.resolution] * r["mode_multiplier_pct"][est.mode]
-    amount = -(-numerator // 10_000)
-    if est.with_audio:
-        amount += r["audio_surcharge_amount"]
+    amount = amount_for_seconds(r, seconds=est.duration_seconds, resolution=est.resolution, mode=est.mode,
+                                with_audio=est.with_audio)
     return amount, r["charge_policy_code"]
+
+
+def amount_for_seconds(model_rules: dict, *, seconds: int | Decimal, resolution: str, mode: str, with_audio: bool) -> int:
+    """Credits for `seconds` of output under one model's rules: the quote's formula, which usage-based
+    settlement applies to the seconds actually produced (ch. 20.6.1). Rounds up."""
+    numerator = (model_rules["base_amount"] + model_rules["per_second_amount"] * Decimal(seconds)) \
+        * model_rules["resolution_multiplier_pct"][resolution] * model_rules["mode_multiplier_pct"][mode]
+    amount = int((numerator / 10_000).to_integral_value(rounding=ROUND_CEILING))
+    if with_audio:
+        amount += model_rules["audio_surcharge_amount"]
+    return amount
 
 
 def quote(version: dict, est: Estimate) -> Quote:

@@ -1,0 +1,327 @@
+"""`aivedio admin ...` billing commands (contracts/operations.md: "refunds and compensation, under RBAC
+and audit"), and `aivedio reconcile wallets`. Each write runs in one transaction through the domain
+core, which checks the operator's role and appends the audit row. A domain error prints
+{"error": CODE, "message", "details"} and exits 1, having written nothing."""
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import sys
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any, Callable
+from uuid import UUID
+
+from aivedio.errors import DomainError
+
+
+def _operator(args: argparse.Namespace) -> str:
+    return args.operator or f"cli:{getpass.getuser()}"
+
+
+def _dt(s: str) -> datetime:
+    d = datetime.fromisoformat(s.replace("Z", "+00:00"))
+    if d.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{s!r}: give a timezone (e.g. 2026-06-01T00:00:00Z)")
+    return d
+
+
+def _run(args: argparse.Namespace, fn: Callable[[Any, Any], Any], *, transaction: bool = True) -> int:
+    """Build the platform, run fn(platform, conn) in one transaction, print the result."""
+    from aivedio.cli import _emit, _platform
+
+    platform = _platform(args)
+    try:
+        if transaction:
+            doc = platform.db.transaction(lambda conn: fn(platform, conn))
+        else:
+            doc = fn(platform, None)
+    except DomainError as e:
+        err = {"error": e.code, "message": e.message, "details": e.details}
+        if args.json:
+            sys.stdout.write(json.dumps(err, default=str, sort_keys=True) + "\n")
+        else:
+            sys.stderr.write(f"aivedio: {e.code}: {e.message}\n")
+        return 1
+    finally:
+        platform.close()
+    _emit(doc, args.json)
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--operator", default=None, help="who acts (default cli:<os user>); needs a role, see `admin operator grant`")
+    p.add_argument("--config", default=None)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+# --- commands ---------------------------------------------------------------------------------------------
+
+def _operator_grant(args) -> int:
+    from aivedio.admin import rbac
+
+    return _run(args, lambda p, c: {"grantee": args.grantee, "role": args.role,
+                                    "created": rbac.grant(c, operator=_operator(args), grantee=args.grantee, role=args.role)})
+
+
+def _refund_create(args) -> int:
+    from aivedio.billing.refunds import request_refund
+
+    return _run(args, lambda p, c: request_refund(c, operator=_operator(args), tenant_id=args.tenant_id, task_id=args.task_id,
+                                                  amount=args.amount, reason=args.reason, request_key=args.request_key,
+                                                  now=p.clock.now()))
+
+
+def _refund_list(args) -> int:
+    from aivedio.admin import rbac
+    from aivedio.billing.refunds import list_refunds
+
+    def fn(p, c):
+        rbac.require(c, _operator(args), "wallet.check")
+        return [{k: (str(v) if isinstance(v, (UUID, datetime)) else v) for k, v in r.items()}
+                for r in list_refunds(c, tenant_id=args.tenant_id, task_id=args.task_id)]
+    return _run(args, fn)
+
+
+def _compensation_request(args) -> int:
+    from aivedio.billing.compensation import request_compensation
+
+    try:
+        evidence = json.loads(args.evidence) if args.evidence else None
+    except json.JSONDecodeError as e:
+        sys.stderr.write(f"aivedio: --evidence is not JSON: {e}\n")
+        return 2
+    return _run(args, lambda p, c: request_compensation(
+        c, operator=_operator(args), tenant_id=args.tenant_id, case_id=args.case_id, amount=args.amount,
+        reason_code=args.reason_code, evidence=evidence, now=p.clock.now(), expires_at=args.expires_at, task_id=args.task_id,
+        dual_approval_above=p.config.billing.compensation_dual_approval_above))
+
+
+def _compensation_approve(args) -> int:
+    from aivedio.billing.compensation import approve_compensation
+
+    return _run(args, lambda p, c: approve_compensation(c, operator=_operator(args), tenant_id=args.tenant_id,
+                                                        case_id=args.case_id, now=p.clock.now()))
+
+
+def _compensation_reject(args) -> int:
+    from aivedio.billing.compensation import reject_compensation
+
+    return _run(args, lambda p, c: reject_compensation(c, operator=_operator(args), tenant_id=args.tenant_id,
+                                                       case_id=args.case_id, reason=args.reason, now=p.clock.now()))
+
+
+def _wallet_check(args) -> int:
+    from aivedio.admin import rbac
+    from aivedio.billing import wallet_checks
+
+    def fn(p, c):
+        rbac.require(c, _operator(args), "wallet.check")
+        return wallet_checks.check_wallet(c, wallet_id=args.wallet_id, now=p.clock.now(), freeze=not args.no_freeze)
+    return _run(args, fn)
+
+
+def _wallet_rebuild(args) -> int:
+    from aivedio.billing import wallet_checks
+
+    return _run(args, lambda p, c: wallet_checks.rebuild(c, operator=_operator(args), wallet_id=args.wallet_id,
+                                                         now=p.clock.now(), reason=args.reason))
+
+
+def _wallet_unfreeze(args) -> int:
+    from aivedio.billing import wallet_checks
+
+    return _run(args, lambda p, c: wallet_checks.unfreeze(c, operator=_operator(args), wallet_id=args.wallet_id,
+                                                          now=p.clock.now(), reason=args.reason))
+
+
+def _ledger_reverse(args) -> int:
+    from aivedio.billing.corrections import reverse
+
+    return _run(args, lambda p, c: reverse(c, operator=_operator(args), ledger_txn_id=args.txn_id, reason=args.reason,
+                                           now=p.clock.now()))
+
+
+def _budget_set(args) -> int:
+    from aivedio.billing.budgets import set_budget
+
+    def fn(p, c):
+        row = set_budget(c, operator=_operator(args), scope_type=args.scope_type, scope_id=args.scope_id,
+                         period_start=args.period_start, period_end=args.period_end, limit_amount=args.limit,
+                         currency=args.currency, tenant_id=args.tenant_id)
+        return {k: str(v) if v is not None else None for k, v in row.items()}
+    return _run(args, fn)
+
+
+def _budget_status(args) -> int:
+    from aivedio.admin import rbac
+    from aivedio.billing.budgets import status
+
+    def fn(p, c):
+        rbac.require(c, _operator(args), "costs.read")
+        return {"budgets": status(c, now=p.clock.now(), config=p.config.billing)}
+    return _run(args, fn)
+
+
+def _subscription_set(args) -> int:
+    from aivedio.billing.subscriptions import set_subscription
+
+    def fn(p, c):
+        row = set_subscription(c, operator=_operator(args), tenant_id=args.tenant_id, grant_amount=args.amount,
+                               period_seconds=args.period_seconds, first_grant_at=args.first_grant_at or p.clock.now())
+        return {k: str(v) for k, v in row.items()}
+    return _run(args, fn)
+
+
+def _credits_expire(args) -> int:
+    from aivedio.admin import rbac
+    from aivedio.billing import expiry, subscriptions
+
+    def fn(p, c):
+        with p.db.connection() as conn:
+            rbac.require(conn, _operator(args), "credits.expire")
+        now = p.clock.now()
+        return {"subscriptions": subscriptions.grant_due(p, now), "expiry": expiry.sweep(p, now)}
+    return _run(args, fn, transaction=False)
+
+
+def _costs_report(args) -> int:
+    from aivedio.admin import rbac
+    from aivedio.billing.costs import cost_report
+
+    def fn(p, c):
+        rbac.require(c, _operator(args), "costs.read")
+        end = args.end or p.clock.now()
+        start = args.start or end - timedelta(days=1)
+        return cost_report(c, start=start, end=end, provider=args.provider)
+    return _run(args, fn)
+
+
+def _parked_list(args) -> int:
+    from aivedio.admin import rbac
+    from aivedio.billing import parked
+
+    def fn(p, c):
+        rbac.require(c, _operator(args), "wallet.check")
+        rows = parked.open_items(c, reasons=tuple(args.reason) if args.reason else None, limit=args.limit)
+        return [{k: (str(v) if isinstance(v, (UUID, datetime)) else v) for k, v in r.items()} for r in rows]
+    return _run(args, fn)
+
+
+def _reconcile_wallets(args) -> int:
+    from aivedio.billing import wallet_checks
+
+    return _run(args, lambda p, c: wallet_checks.check_all(p, freeze=not args.no_freeze), transaction=False)
+
+
+# --- parsers -------------------------------------------------------------------------------------------------
+
+def register_admin(admin) -> None:
+    """Add the billing commands to `aivedio admin`'s sub-parsers."""
+    op = admin.add_parser("operator", help="operator roles (RBAC)").add_subparsers(dest="operator_command", required=True)
+    g = _common(op.add_parser("grant", help="give an operator a role (the first BILLING_ADMIN bootstraps)"))
+    g.add_argument("--grantee", required=True)
+    g.add_argument("--role", required=True, choices=["BILLING_ADMIN", "SUPPORT", "FINANCE_APPROVER", "AUDITOR"])
+    g.set_defaults(fn=_operator_grant)
+
+    refund = admin.add_parser("refund", help="refunds of settled charges").add_subparsers(dest="refund_command", required=True)
+    c = _common(refund.add_parser("create", help="refund part or all of a task's settled charge"))
+    c.add_argument("--tenant-id", required=True, type=UUID)
+    c.add_argument("--task-id", required=True, type=UUID)
+    c.add_argument("--amount", required=True, type=int)
+    c.add_argument("--reason", required=True)
+    c.add_argument("--request-key", required=True, help="idempotency key: the same key never refunds twice")
+    c.set_defaults(fn=_refund_create)
+    ls = _common(refund.add_parser("list", help="a tenant's refund requests"))
+    ls.add_argument("--tenant-id", required=True, type=UUID)
+    ls.add_argument("--task-id", type=UUID, default=None)
+    ls.set_defaults(fn=_refund_list)
+
+    comp = admin.add_parser("compensation", help="goodwill credit under approval").add_subparsers(dest="compensation_command",
+                                                                                                   required=True)
+    r = _common(comp.add_parser("request", help="open a compensation case (applied at once at or below the threshold)"))
+    r.add_argument("--tenant-id", required=True, type=UUID)
+    r.add_argument("--case-id", default=None)
+    r.add_argument("--amount", required=True, type=int)
+    r.add_argument("--reason-code", required=True)
+    r.add_argument("--evidence", default=None, help="a JSON object")
+    r.add_argument("--expires-at", type=_dt, default=None)
+    r.add_argument("--task-id", type=UUID, default=None)
+    r.set_defaults(fn=_compensation_request)
+    for name, fn, extra in (("approve", _compensation_approve, False), ("reject", _compensation_reject, True)):
+        a = _common(comp.add_parser(name))
+        a.add_argument("--tenant-id", required=True, type=UUID)
+        a.add_argument("--case-id", required=True)
+        if extra:
+            a.add_argument("--reason", required=True)
+        a.set_defaults(fn=fn)
+
+    wallet = admin.add_parser("wallet", help="wallet checks and repair").add_subparsers(dest="wallet_command", required=True)
+    wc = _common(wallet.add_parser("check", help="snapshot vs ledger vs reservations vs lots; freezes on mismatch"))
+    wc.add_argument("--wallet-id", required=True, type=UUID)
+    wc.add_argument("--no-freeze", action="store_true")
+    wc.set_defaults(fn=_wallet_check)
+    wr = _common(wallet.add_parser("rebuild", help="append adjustments, recompute the snapshot, unfreeze if clean"))
+    wr.add_argument("--wallet-id", required=True, type=UUID)
+    wr.add_argument("--reason", required=True)
+    wr.set_defaults(fn=_wallet_rebuild)
+    wu = _common(wallet.add_parser("unfreeze", help="lift a freeze (only when the wallet checks clean)"))
+    wu.add_argument("--wallet-id", required=True, type=UUID)
+    wu.add_argument("--reason", required=True)
+    wu.set_defaults(fn=_wallet_unfreeze)
+
+    ledger = admin.add_parser("ledger", help="ledger corrections").add_subparsers(dest="ledger_command", required=True)
+    lr = _common(ledger.add_parser("reverse", help="append a reversal (ADJUST with reversal_of) of a GRANT/COMPENSATE/EXPIRE/ADJUST"))
+    lr.add_argument("--txn-id", required=True, type=UUID)
+    lr.add_argument("--reason", required=True)
+    lr.set_defaults(fn=_ledger_reverse)
+
+    budget = admin.add_parser("budget", help="provider spend budgets").add_subparsers(dest="budget_command", required=True)
+    bs = _common(budget.add_parser("set", help="create or change a budget"))
+    bs.add_argument("--scope-type", required=True, choices=["TENANT", "PROJECT", "PROVIDER_ACCOUNT", "MODEL", "REGION", "GLOBAL"])
+    bs.add_argument("--scope-id", required=True)
+    bs.add_argument("--limit", required=True, type=Decimal)
+    bs.add_argument("--currency", default="USD")
+    bs.add_argument("--period-start", required=True, type=_dt)
+    bs.add_argument("--period-end", required=True, type=_dt)
+    bs.add_argument("--tenant-id", type=UUID, default=None)
+    bs.set_defaults(fn=_budget_set)
+    bst = _common(budget.add_parser("status", help="budgets in force, their usage and threshold level"))
+    bst.set_defaults(fn=_budget_status)
+
+    sub = admin.add_parser("subscription", help="subscription grants").add_subparsers(dest="subscription_command", required=True)
+    ss = _common(sub.add_parser("set", help="grant AMOUNT credits every PERIOD seconds (expiring at the period's end)"))
+    ss.add_argument("--tenant-id", required=True, type=UUID)
+    ss.add_argument("--amount", required=True, type=int)
+    ss.add_argument("--period-seconds", required=True, type=int)
+    ss.add_argument("--first-grant-at", type=_dt, default=None)
+    ss.set_defaults(fn=_subscription_set)
+
+    credits = admin.add_parser("credits", help="credit lots").add_subparsers(dest="credits_command", required=True)
+    ce = _common(credits.add_parser("expire", help="run the subscription grants and the expiry sweep now"))
+    ce.set_defaults(fn=_credits_expire)
+
+    costs = admin.add_parser("costs", help="provider and media costs").add_subparsers(dest="costs_command", required=True)
+    cr = _common(costs.add_parser("report", help="cost per successful video/second/playable minute, duplicate cost rate"))
+    cr.add_argument("--from", dest="start", type=_dt, default=None, help="default: a day before --to")
+    cr.add_argument("--to", dest="end", type=_dt, default=None, help="default: now")
+    cr.add_argument("--provider", default=None)
+    cr.set_defaults(fn=_costs_report)
+
+    parked = admin.add_parser("parked", help="settlement input parked for reconciliation").add_subparsers(
+        dest="parked_command", required=True)
+    pl = _common(parked.add_parser("list"))
+    pl.add_argument("--reason", action="append", default=None)
+    pl.add_argument("--limit", type=int, default=100)
+    pl.set_defaults(fn=_parked_list)
+
+
+def register_reconcile(reconcile) -> None:
+    """Add `wallets` to `aivedio reconcile`'s sub-parsers."""
+    w = reconcile.add_parser("wallets", help="check every wallet (ch. 20.8.5); freezes mismatched ones")
+    w.add_argument("--no-freeze", action="store_true")
+    w.add_argument("--config", default=None)
+    w.add_argument("--json", action="store_true")
+    w.set_defaults(fn=_reconcile_wallets)

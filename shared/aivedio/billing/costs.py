@@ -1,0 +1,224 @@
+"""Provider and media costs (ch. 20.5.5, 20.9.1, 20.9.2): what the platform pays, kept apart from
+what the user is charged. Amounts are Decimal with their currency and are never summed across
+currencies: every figure of the report is per currency.
+
+Recording. A terminal event carries the provider's usage and cost. The attempt gets its actual cost
+(task_attempt.actual_cost_amount/currency, beside the estimate the scheduler wrote), and the cost
+becomes a provider_cost_event, unique on (provider, account, external charge id, event type), so a
+redelivered event adds nothing. A cost without a charge id gets a conservative composite key and is
+parked for reconciliation (the invoice decides), as is a billed job whose cost is unknown, a cost
+in another currency than one already recorded for the attempt, or a cost with no attempt.
+
+Report. Over a period: every provider cost (failed, cancelled and duplicate attempts included)
+spread over the successful, delivered videos: cost per successful video, per successful second and
+per playable minute; the duplicate-generation cost rate (cost of billed attempts that did not
+deliver a task that another attempt delivered, and of costs mapped to no attempt, over all provider
+cost); and media costs by tenant and kind."""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+from uuid import UUID
+
+import psycopg
+
+from aivedio.billing import parked
+
+SOURCE = "API"  # the platform's own record of the provider's answer (callback or poll); invoices are INVOICE
+COST_EVENT_TYPE = {"SUCCEEDED": "GENERATION", "FAILED": "FAILED_CHARGE", "CANCELLED": "CANCELLATION_FEE"}
+QUANTUM = Decimal("0.00000001")  # numeric(20, 8)
+
+# Sets the attempt's actual cost unless it is set already, and says what it found, in one statement
+# (the main query sees the row as it was before the CTE's update).
+SET_ACTUAL_COST = """
+with upd as (
+    update task_attempt set actual_cost_amount = %(amount)s, actual_cost_currency = %(currency)s, updated_at = %(now)s
+     where attempt_id = %(attempt_id)s and task_id = %(task_id)s and actual_cost_amount is null
+    returning attempt_id)
+select (select count(*) from upd) as updated, a.attempt_id as found, a.actual_cost_amount, a.actual_cost_currency
+  from (values (1)) as one(x)
+  left join task_attempt a on a.attempt_id = %(attempt_id)s and a.task_id = %(task_id)s
+"""
+
+INSERT_COST_EVENT = """
+insert into provider_cost_event (attempt_id, tenant_id, task_id, provider, provider_account_id, external_charge_id,
+                                 event_type, amount, currency, source, occurred_at, raw_payload_hash)
+values (%(attempt_id)s, %(tenant_id)s, %(task_id)s, %(provider)s, %(account)s, %(charge_id)s, %(event_type)s,
+        %(amount)s, %(currency)s, %(source)s, %(occurred_at)s, %(hash)s)
+on conflict (provider, provider_account_id, external_charge_id, event_type) do nothing
+"""
+
+# The usual case, one statement: the cost event and the attempt's actual cost.
+RECORD_AND_SET_ACTUAL_COST = "with cost_event as (" + INSERT_COST_EVENT.strip() + "),\n" + SET_ACTUAL_COST.strip()[len("with "):]
+
+
+@dataclass(frozen=True)
+class RecordedCost:
+    status: str  # RECORDED (written, or there already) | NO_COST | PARKED
+    amount: Decimal | None = None
+    currency: str | None = None
+
+
+def record_provider_cost(conn: psycopg.Connection, *, payload: dict, state: str, stage: str, tenant_id: UUID,
+                         task_id: UUID, attempt_id: UUID | None, provider: str | None, provider_account: str | None,
+                         provider_job_id: str | None, charge_id: str | None, provider_charged: bool,
+                         usage: Any, occurred_at: datetime, event_type: str | None = None,
+                         event_id: Any = None) -> RecordedCost:
+    """Record the cost a terminal event reports, idempotently. `usage` has cost_amount and currency
+    (or is None). One statement awaits an answer (the attempt's cost check); the rest is pipelined."""
+    ids = dict(payload=payload, event_type=event_type, event_id=event_id, task_id=task_id, tenant_id=tenant_id,
+               attempt_id=attempt_id)
+    amount = getattr(usage, "cost_amount", None) if usage is not None else None
+    currency = getattr(usage, "currency", None) if usage is not None else None
+    if amount is None or not currency:
+        if provider_charged:
+            parked.park(conn, reason="COST_UNKNOWN", detail="the provider billed this job without reporting its cost", **ids)
+            return RecordedCost("PARKED")
+        return RecordedCost("NO_COST")
+    amount = Decimal(amount).quantize(QUANTUM)
+    status = "RECORDED" if amount != 0 else "NO_COST"
+    if amount != 0:
+        cost_type = "GENERATION" if stage in ("PROVIDER_SUCCEEDED", "MEDIA_DELIVERY_FAILED") else COST_EVENT_TYPE[state]
+        external = charge_id
+        if external is None:
+            # No stable charge id: a conservative composite key, and reconciliation decides (ch. 20.5.5).
+            external = f"composite:{provider_job_id or attempt_id or task_id}"
+            parked.park(conn, reason="COST_WITHOUT_CHARGE_ID", detail=f"composite key {external}", **ids)
+        digest = hashlib.sha256(f"{charge_id}|{provider_job_id}|{amount}|{currency}|{stage}".encode()).hexdigest()
+        event = {"attempt_id": attempt_id, "tenant_id": tenant_id, "task_id": task_id, "provider": provider or "unknown",
+                 "account": provider_account or "unknown", "charge_id": external, "event_type": cost_type, "amount": amount,
+                 "currency": currency, "source": SOURCE, "occurred_at": occurred_at, "hash": digest}
+        if attempt_id is None:
+            conn.execute(INSERT_COST_EVENT, event)
+            parked.park(conn, reason="UNMAPPED_ATTEMPT", detail="a cost without an attempt", **ids)
+            return RecordedCost("PARKED", amount, currency)
+        row = conn.execute(RECORD_AND_SET_ACTUAL_COST, {**event, "now": occurred_at}).fetchone()
+    elif attempt_id is None:
+        return RecordedCost(status, amount, currency)
+    else:
+        row = conn.execute(SET_ACTUAL_COST, {"amount": amount, "currency": currency, "now": occurred_at, "attempt_id": attempt_id,
+                                             "task_id": task_id}).fetchone()
+    if row["updated"]:
+        return RecordedCost(status, amount, currency)
+    if row["found"] is None:
+        parked.park(conn, reason="UNMAPPED_ATTEMPT", detail=f"no attempt {attempt_id} of task {task_id}", **ids)
+        return RecordedCost("PARKED", amount, currency)
+    if row["actual_cost_currency"] != currency:
+        parked.park(conn, reason="CURRENCY_MISMATCH", detail=f"attempt cost in {row['actual_cost_currency']}, event in {currency}",
+                    **ids)
+        return RecordedCost("PARKED", amount, currency)
+    if Decimal(row["actual_cost_amount"]) != amount:
+        # The provider_cost_event above still records what this event said, under its own key.
+        parked.park(conn, reason="COST_MISMATCH", detail=f"attempt cost {row['actual_cost_amount']}, event {amount}", **ids)
+        return RecordedCost("PARKED", amount, currency)
+    return RecordedCost(status, amount, currency)
+
+
+def record_media_cost(conn: psycopg.Connection, *, source_key: str, kind: str, amount: Decimal, currency: str,
+                      occurred_at: datetime, tenant_id: UUID | None = None, task_id: UUID | None = None,
+                      project_id: str | None = None, tags: dict | None = None) -> bool:
+    """One aggregated media cost line (transcode, storage, egress...) attributed by the object's
+    tags; a re-import of the same source line adds nothing."""
+    return conn.execute(
+        """insert into media_cost_event (source_key, tenant_id, task_id, project_id, kind, amount, currency, occurred_at, tags)
+           values (%s, %s, %s, %s, %s, %s, %s, %s, %s) on conflict (source_key) do nothing""",
+        (source_key, tenant_id, task_id, project_id, kind, Decimal(amount).quantize(QUANTUM), currency, occurred_at,
+         json.dumps(tags or {})),
+    ).rowcount == 1
+
+
+# --- the report ------------------------------------------------------------------------------------------
+
+COST_ROWS = """
+select e.amount, e.currency, e.provider, e.event_type, e.attempt_id, e.task_id as event_task_id,
+       a.task_id, c.settled_attempt_id, c.settled_outcome
+  from provider_cost_event e
+  left join task_attempt a on a.attempt_id = e.attempt_id
+  left join generation_charge c on c.task_id = coalesce(a.task_id, e.task_id)
+ where e.occurred_at >= %(start)s and e.occurred_at < %(end)s
+   and (%(provider)s::text is null or e.provider = %(provider)s)
+"""
+
+# Successful, delivered videos: settled as SUCCEEDED in the period (ch. 20.9.1 "成功且达到可交付标准").
+SUCCESSES = """
+select count(*) as videos, coalesce(sum(c.delivered_seconds), 0)::bigint as seconds
+  from generation_charge c
+  left join task_attempt a on a.attempt_id = c.settled_attempt_id
+ where c.finalized_at >= %(start)s and c.finalized_at < %(end)s and c.settled_outcome like 'SUCCEEDED/%%'
+   and (%(provider)s::text is null or a.provider = %(provider)s)
+"""
+
+MEDIA_ROWS = """
+select tenant_id, kind, currency, sum(amount) as amount, count(*) as lines
+  from media_cost_event where occurred_at >= %(start)s and occurred_at < %(end)s
+ group by tenant_id, kind, currency
+"""
+
+
+def _ratio(num: Decimal, den: Decimal | int) -> str | None:
+    if not den:
+        return None
+    return str((Decimal(num) / Decimal(den)).quantize(QUANTUM))
+
+
+def cost_report(conn: psycopg.Connection, *, start: datetime, end: datetime, provider: str | None = None) -> dict:
+    q = {"start": start, "end": end, "provider": provider}
+    rows = conn.execute(COST_ROWS, q).fetchall()
+    succ = conn.execute(SUCCESSES, q).fetchone()
+    videos, seconds = int(succ["videos"]), int(succ["seconds"])
+    per: dict[str, dict[str, Any]] = defaultdict(lambda: {
+        "provider_cost": Decimal(0), "duplicate_cost": Decimal(0), "failed_cost": Decimal(0), "delivered_cost": Decimal(0),
+        "unmapped_cost": Decimal(0), "by_provider": defaultdict(Decimal), "by_event_type": defaultdict(Decimal),
+        "cost_events": 0})
+    for r in rows:
+        p = per[r["currency"]]
+        amount = Decimal(r["amount"])
+        p["provider_cost"] += amount
+        p["cost_events"] += 1
+        p["by_provider"][r["provider"]] += amount
+        p["by_event_type"][r["event_type"]] += amount
+        succeeded = (r["settled_outcome"] or "").startswith("SUCCEEDED/")
+        if r["attempt_id"] is None or r["task_id"] is None:
+            p["unmapped_cost"] += amount
+            p["duplicate_cost"] += amount  # an orphan job: work nobody asked for twice
+        elif succeeded and r["settled_attempt_id"] is not None and r["attempt_id"] != r["settled_attempt_id"]:
+            p["duplicate_cost"] += amount  # another attempt of a task that was delivered
+        elif succeeded:
+            p["delivered_cost"] += amount
+        else:
+            p["failed_cost"] += amount  # failed, cancelled, or not settled yet
+    media: dict[str, dict[str, Any]] = defaultdict(lambda: {"media_cost": Decimal(0), "by_tenant": defaultdict(lambda: defaultdict(Decimal))})
+    for r in (conn.execute(MEDIA_ROWS, q).fetchall() if provider is None else ()):  # media costs belong to no provider
+        m = media[r["currency"]]
+        m["media_cost"] += Decimal(r["amount"])
+        m["by_tenant"][str(r["tenant_id"]) if r["tenant_id"] else "unattributed"][r["kind"]] += Decimal(r["amount"])
+    currencies: dict[str, Any] = {}
+    for cur in sorted(set(per) | set(media)):
+        p, m = per.get(cur), media.get(cur)
+        provider_cost = p["provider_cost"] if p else Decimal(0)
+        media_cost = m["media_cost"] if m else Decimal(0)
+        all_in = provider_cost + media_cost
+        currencies[cur] = {
+            "provider_cost": str(provider_cost),
+            "delivered_attempt_cost": str(p["delivered_cost"]) if p else "0",
+            "failed_cost": str(p["failed_cost"]) if p else "0",
+            "duplicate_cost": str(p["duplicate_cost"]) if p else "0",
+            "unmapped_cost": str(p["unmapped_cost"]) if p else "0",
+            "cost_events": p["cost_events"] if p else 0,
+            "by_provider": {k: str(v) for k, v in sorted(p["by_provider"].items())} if p else {},
+            "by_event_type": {k: str(v) for k, v in sorted(p["by_event_type"].items())} if p else {},
+            "cost_per_successful_video": _ratio(provider_cost, videos),
+            "cost_per_successful_second": _ratio(provider_cost, seconds),
+            "cost_per_playable_minute": _ratio(provider_cost * 60, seconds),
+            "duplicate_generation_cost_rate": _ratio(p["duplicate_cost"], provider_cost) if p else None,
+            "media_cost": str(media_cost),
+            "media_by_tenant": {t: {k: str(v) for k, v in sorted(kinds.items())} for t, kinds in sorted(m["by_tenant"].items())} if m else {},
+            "all_in_cost_per_successful_video": _ratio(all_in, videos),
+        }
+    return {"period": {"start": start.isoformat(), "end": end.isoformat()}, "provider": provider,
+            "successful_videos": videos, "successful_seconds": seconds, "currencies": currencies}

@@ -1,0 +1,61 @@
+"""Billing's domain errors. Each is raised inside the transaction it concerns, so the operation that
+raised it writes nothing; only the edge (HTTP, CLI) turns the code into a status or an exit code."""
+from __future__ import annotations
+
+from aivedio.errors import Conflict, DomainError, Forbidden, InvalidRequest, NotFound
+
+
+class RefundExceedsSettled(Conflict):
+    code = "REFUND_EXCEEDS_SETTLED"
+
+
+class RefundTenantMismatch(Forbidden):
+    """The task belongs to another tenant than the one the refund names."""
+
+    code = "REFUND_TENANT_MISMATCH"
+
+
+class TaskNotFound(NotFound):
+    code = "TASK_NOT_FOUND"
+
+
+class CompensationInvalid(InvalidRequest):
+    code = "COMPENSATION_INVALID"
+
+
+class ApprovalRefused(Conflict):
+    """Self-approval, a second approval by the same operator, or a case no longer pending."""
+
+    code = "APPROVAL_REFUSED"
+
+
+class CurrencyMismatch(Conflict):
+    """Two amounts in different currencies or units: rejected, never summed."""
+
+    code = "CURRENCY_MISMATCH"
+
+
+class WalletFrozen(Conflict):
+    """A wallet check found a mismatch: risky operations wait for a rebuild."""
+
+    code = "WALLET_FROZEN"
+
+
+class CorrectionRefused(Conflict):
+    code = "CORRECTION_REFUSED"
+
+
+class BudgetExceeded(DomainError):
+    """A budget at or above its reject threshold, or restricting this kind of work, or its
+    abnormal-slope breaker tripped. `details` names the budget and the level."""
+
+    code = "BUDGET_EXCEEDED"
+
+
+class PermissionDenied(Forbidden):
+    code = "PERMISSION_DENIED"
+
+
+__all__ = ["RefundExceedsSettled", "RefundTenantMismatch", "TaskNotFound", "CompensationInvalid", "ApprovalRefused",
+           "CurrencyMismatch", "WalletFrozen", "CorrectionRefused", "BudgetExceeded", "PermissionDenied",
+           "InvalidRequest"]
