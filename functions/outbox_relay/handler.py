@@ -9,10 +9,12 @@ from functools import cache
 from typing import Any
 
 from aivedio.context import get_platform
-from aivedio.observability import logger
-from aivedio.outbox import Deliver, relay_once
+from aivedio.metrics_catalog import OUTBOX_BACKLOG
+from aivedio.observability import due, logger, publish
+from aivedio.outbox import Deliver, backlog, relay_once
 
 BATCH = 100
+BACKLOG_EVERY_SECONDS = 60.0  # the backlog gauge costs a count: once a minute per process
 RESERVE_MILLIS = 5_000  # stop starting batches this close to the timeout, so none is cut short
 
 
@@ -50,4 +52,7 @@ def lambda_handler(event: dict, context) -> dict:
         n = relay_once(platform, deliver, batch=BATCH)
         published += n
         if n < BATCH or context.get_remaining_time_in_millis() < RESERVE_MILLIS:
+            if due("outbox-backlog", BACKLOG_EVERY_SECONDS):
+                with platform.db.connection() as conn:
+                    publish(OUTBOX_BACKLOG, backlog(conn))
             return {"published": published}

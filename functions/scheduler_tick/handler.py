@@ -8,6 +8,7 @@ import time
 
 from aivedio.context import get_platform
 from aivedio.observability import logger
+from aivedio.scheduling.gauges import publish_gauges
 from aivedio.scheduling.scheduler import Scheduler
 
 RESERVE_MILLIS = 5_000
@@ -33,4 +34,5 @@ def lambda_handler(event: dict, context) -> dict:
         time.sleep(0)
     if total:
         logger.info("scheduler tick", extra={"claims": total, "visits": visits, "conservative": conservative})
+    publish_gauges(platform)  # at most once a minute per process
     return {"claims": total, "visits": visits, "conservative": conservative}

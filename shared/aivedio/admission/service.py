@@ -24,7 +24,8 @@ from aivedio.billing.lots import LotsExhausted
 from aivedio.billing.reservations import InsufficientCredit, can_reserve, reserve
 from aivedio.errors import Conflict, DomainError, InvalidRequest
 from aivedio.media.probe import probe_inputs
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import ADMISSION_REJECTIONS
+from aivedio.observability import logger, metrics, publish
 from aivedio.pricing import price_book
 from aivedio.pricing.price_book import Quote
 
@@ -96,6 +97,18 @@ def quote_only(platform, caller: Caller, req: GenerationRequest) -> dict:
 
 
 def admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, idempotency_key: str) -> Admitted:
+    """Admit or reject one request; every rejection, wherever it is decided, is counted by code."""
+    try:
+        result = _admit(platform, caller, req, raw_body, idempotency_key)
+    except Rejected as r:
+        publish(ADMISSION_REJECTIONS, code=r.decision)
+        logger.info("admission rejected", extra={"tenant_id": str(caller.tenant_id), "decision": r.decision, "reason": r.message})
+        raise
+    metrics.add("admission_accepted")
+    return result
+
+
+def _admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, idempotency_key: str) -> Admitted:
     key = validate_idempotency_key(idempotency_key)
     req_hash = request_hash(raw_body)
     with platform.db.connection() as conn:
@@ -123,14 +136,7 @@ def admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, idem
             return _replay(rec, req_hash)
         return _admit_locked(platform, conn, caller, req, key, req_hash, policy, est, q)
 
-    try:
-        result = platform.db.transaction(tx)
-    except Rejected as r:
-        metrics.add("admission_rejected", decision=r.decision)
-        logger.info("admission rejected", extra={"tenant_id": str(caller.tenant_id), "decision": r.decision, "reason": r.message})
-        raise
-    metrics.add("admission_accepted")
-    return result
+    return platform.db.transaction(tx)
 
 
 def _check_rates(platform, caller: Caller, policy: dict) -> None:

@@ -20,7 +20,8 @@ from aivedio import outbox, tasks
 from aivedio.attempts import aimd
 from aivedio.attempts.lifecycle import (AttemptRef, Loaded, apply_job, finish, jitter, load, move, record_orphan,
                                         renew_lease, requeue, set_attempt)
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import SUBMIT_UNKNOWN
+from aivedio.observability import logger, metrics, publish
 from aivedio.providers.adapter import (Accepted, NotAcceptedRetryable, ProviderError, ProviderJob, RejectedFinal,
                                        SubmitRequest, Unknown)
 from aivedio.providers.registry import adapter
@@ -118,6 +119,7 @@ def _mark_unknown(conn, loaded: Loaded, now: datetime, reason: str) -> None:
         tasks.cas_transition(conn, tenant_id=loaded.task["tenant_id"], task_id=loaded.task["task_id"],
                              from_state="DISPATCHING", version=loaded.task["version"], to_state="SUBMIT_UNKNOWN", now=now)
     metrics.add("submit_unknown", reason=reason)
+    publish(SUBMIT_UNKNOWN)
 
 
 def _request(platform, task: dict, attempt: dict) -> SubmitRequest:

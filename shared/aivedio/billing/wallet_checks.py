@@ -23,7 +23,8 @@ import psycopg
 from aivedio.admin import rbac
 from aivedio.billing.ledger import Entry, ledger_aggregate, post
 from aivedio.errors import Conflict, NotFound
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import RECONCILIATION_BREAKS
+from aivedio.observability import logger, publish
 
 FREEZE_PREFIX = "wallet check: "
 
@@ -95,7 +96,7 @@ def check_wallet(conn: psycopg.Connection, *, wallet_id: UUID, now: datetime, fr
                 """insert into wallet_discrepancy (wallet_id, tenant_id, kind, expected, actual, found_at)
                    values (%s, %s, %s, %s, %s, %s) on conflict (wallet_id, kind) where status = 'OPEN' do nothing""",
                 [(wallet_id, wallet["tenant_id"], f["kind"], f["expected"], f["actual"], now) for f in found])
-        metrics.add("wallet_check.mismatch", len(found))
+        publish(RECONCILIATION_BREAKS, len(found))
         logger.error("ALERT wallet check mismatch: risky operations frozen",
                      extra={"tenant_id": str(wallet["tenant_id"]), "wallet_id": str(wallet_id), "findings": found})
     return {"wallet_id": str(wallet_id), "tenant_id": str(wallet["tenant_id"]), "ok": not found, "findings": found,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 
-from aivedio.observability import logger
+from aivedio.metrics_catalog import STARVATION_INTERVENTIONS
+from aivedio.observability import logger, publish
 
 TOP_AGING_BAND = 1  # P0 is kept for recovery work
 AGING_BATCH = 5000
@@ -72,4 +73,6 @@ def detect_starvation(platform) -> int:
             found += len(rows)
             if len(rows) < STARVATION_BATCH:
                 break
+    if found:
+        publish(STARVATION_INTERVENTIONS, found)
     return found
