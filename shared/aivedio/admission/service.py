@@ -19,6 +19,7 @@ from aivedio.admission.estimates import Estimate, check_capabilities, estimate
 from aivedio.admission.models import GenerationRequest
 from aivedio.admission.rate_limits import take
 from aivedio.auth import Caller
+from aivedio.billing import budgets
 from aivedio.billing.ledger import lock_wallet
 from aivedio.billing.lots import LotsExhausted
 from aivedio.billing.reservations import InsufficientCredit, can_reserve, reserve
@@ -123,6 +124,7 @@ def _admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, ide
     _check_rates(platform, caller, policy)
     est, q = prepare(platform, policy, req)
     _check_lane(platform, policy, est)
+    _check_budgets(platform, caller, est)
 
     def tx(conn: psycopg.Connection) -> Admitted:
         got = conn.execute("select pg_try_advisory_xact_lock(hashtextextended(%s, 0)) as ok",
@@ -159,6 +161,17 @@ def _check_lane(platform, policy: dict, est: Estimate) -> None:
     stats = queue_stats.lane_stats(platform, est.queue_class)
     if stats.queued_units + est.fairness_units > lane.max_queue_units:
         raise Rejected("REJECT_LANE_QUEUE_FULL", f"{est.queue_class} queue is full", 60)
+
+
+def _check_budgets(platform, caller: Caller, est: Estimate) -> None:
+    if not budgets.in_force(platform):
+        return
+    with platform.db.connection() as conn:
+        why = budgets.admission_refusal(conn, tenant_id=caller.tenant_id, now=platform.clock.now(),
+                                        config=platform.config.billing, costly=est.is_expensive,
+                                        low_priority=est.priority_band >= budgets.LOW_PRIORITY_BAND)
+    if why is not None:
+        raise Rejected("REJECT_COST_BUDGET", why, 60)
 
 
 def _window_starts(platform, now: datetime) -> dict[str, datetime]:

@@ -20,6 +20,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from aivedio import outbox, tasks
+from aivedio.billing import budgets
 from aivedio.observability import logger, metrics
 from aivedio.providers.adapter import ProviderJob
 from aivedio.scheduling.resources import release_attempt
@@ -198,6 +199,7 @@ def requeue(conn: psycopg.Connection, loaded: Loaded, *, attempt_state: str, rea
     ref = AttemptRef(task["tenant_id"], task["task_id"], attempt["attempt_id"], attempt["fencing_token"])
     set_attempt(conn, ref, now, state=attempt_state, final_reason=reason, lease_until=None)
     release_attempt(conn, attempt["attempt_id"], now)
+    budgets.release_attempt(conn, attempt_id=attempt["attempt_id"], now=now)  # no job: the attempt cost nothing
     # The queue index learns of the task again, as at admission.
     outbox.write_event(conn, "TaskQueued", aggregate_type="generation_task", aggregate_id=task["task_id"],
                        tenant_id=task["tenant_id"], payload={

@@ -217,3 +217,46 @@ def status(conn: psycopg.Connection, *, now: datetime, config: BillingConfig) ->
                     "limit": str(b["limit_amount"]), "reserved": str(b["reserved_amount"]), "consumed": str(b["consumed_amount"]),
                     "usage_pct": str(pct.quantize(Decimal("0.01"))) if pct.is_finite() else "Infinity", "level": level})
     return out
+
+
+# --- where budgets act: admission (the tenant's and the platform's) and the claim (every scope) ----
+
+GLOBAL_SCOPE_ID = "*"
+LOW_PRIORITY_BAND = 4  # P4 (best-effort work) is what a budget at its restrict level refuses, with costly work
+IN_FORCE = "select exists(select 1 from budget_account where period_start <= %s and period_end > %s) as e"
+
+
+def in_force(platform) -> bool:
+    """Whether any budget is in force, cached for a moment per process: with none (the usual
+    case) admission and the claim pay nothing for budgets."""
+    from aivedio.admission.queue_stats import cached
+
+    def load() -> bool:
+        now = platform.clock.now()
+        with platform.db.connection() as conn:
+            return bool(conn.execute(IN_FORCE, (now, now)).fetchone()["e"])
+
+    return cached(platform, "budgets_in_force", load)
+
+
+def attempt_scopes(tenant_id: UUID, provider: str, account: str, model: str, region: str | None) -> list[tuple[str, str]]:
+    """The scopes an attempt's provider spend counts against (PROJECT has no source in a task yet)."""
+    return [("TENANT", str(tenant_id)), ("PROVIDER_ACCOUNT", f"{provider}:{account}"), ("MODEL", model),
+            ("REGION", region or ""), ("GLOBAL", GLOBAL_SCOPE_ID)]
+
+
+def admission_refusal(conn: psycopg.Connection, *, tenant_id: UUID, now: datetime, config: BillingConfig,
+                      costly: bool, low_priority: bool) -> str | None:
+    """Why admission must refuse new work of this kind, from the tenant's and the platform's
+    budgets (None: it may come in). The claim reserves against every scope later; this stops work
+    that could never be claimed from queueing up."""
+    rows = conn.execute(
+        """select * from budget_account where (scope_type, scope_id) in (('TENANT', %s), ('GLOBAL', %s))
+              and period_start <= %s and period_end > %s""", (str(tenant_id), GLOBAL_SCOPE_ID, now, now)).fetchall()
+    for b in rows:
+        pct = usage_pct(b)
+        if pct >= config.budget_reject_pct:
+            return f"the {b['scope_type'].lower()} budget is spent ({pct:.0f}%)"
+        if pct >= config.budget_restrict_pct and (costly or low_priority):
+            return f"the {b['scope_type'].lower()} budget is at {pct:.0f}%: costly and low-priority work waits"
+    return None

@@ -14,6 +14,8 @@ from uuid import UUID
 
 import psycopg
 
+from aivedio.billing import budgets
+from aivedio.billing.errors import BudgetExceeded, CurrencyMismatch
 from aivedio.observability import logger, metrics
 from aivedio.scheduling import router
 from aivedio.scheduling.claim import ENTERPRISE, LENDER_KEY, Claimed, NoRoom, claim
@@ -209,11 +211,15 @@ class Scheduler:
         options = [(f"lane:{task['queue_class']}", False)]
         if view.can_borrow and task["queue_class"] in BORROWERS and task["fairness_units"] <= view.borrow_room:
             options.append((f"lane:{ENTERPRISE}", True))
+        with_budgets = budgets.in_force(self.platform)
         for lane_key, borrowed in options:
             for r in routes:
                 try:
-                    return claim(conn, task, r, policy, lane_key=lane_key, borrowed=borrowed, shards=shards,
-                                 lease_seconds=lease, now=now, ensured=self._ensured, prefer=prefer)
+                    if not with_budgets:
+                        return claim(conn, task, r, policy, lane_key=lane_key, borrowed=borrowed, shards=shards,
+                                     lease_seconds=lease, now=now, ensured=self._ensured, prefer=prefer)
+                    return self._claim_within_budgets(conn, task, r, policy, lane_key=lane_key, borrowed=borrowed,
+                                                      shards=shards, lease=lease, now=now, prefer=prefer)
                 except NoRoom as e:
                     last = e
                     if e.tenant_bound or e.key == "task:moved":
@@ -221,6 +227,27 @@ class Scheduler:
                     if e.key.startswith("lane:") or e.key == LENDER_KEY:
                         break  # another provider will not make the lane bigger
         raise last or NoRoom("provider:none")
+
+    def _claim_within_budgets(self, conn, task: dict, r, policy: dict, *, lane_key: str, borrowed: bool, shards: int,
+                              lease: float, now, prefer: int | None) -> Claimed:
+        """The claim and the attempt's budget reservation (ch. 20.9.4) under one savepoint: a
+        budget that refuses takes the claim back. A tenant's own budget caps the tenant; any other
+        scope is a route without room, so the next route (another account, region) is tried."""
+        try:
+            with conn.transaction():
+                c = claim(conn, task, r, policy, lane_key=lane_key, borrowed=borrowed, shards=shards,
+                          lease_seconds=lease, now=now, ensured=self._ensured, prefer=prefer)
+                budgets.reserve(conn, scopes=budgets.attempt_scopes(task["tenant_id"], r.provider, r.account, r.model, r.region),
+                                amount=r.expected_cost, currency=r.currency, business_key=f"attempt:{c.attempt_id}",
+                                now=now, config=self.platform.config.billing, attempt_id=c.attempt_id,
+                                task_id=task["task_id"], tenant_id=task["tenant_id"], costly=task["queue_class"] == "EXPENSIVE",
+                                low_priority=task["priority_band"] >= budgets.LOW_PRIORITY_BAND)
+                return c
+        except (BudgetExceeded, CurrencyMismatch) as e:
+            scope = (e.details or {}).get("scope", "")
+            if scope.startswith("TENANT:"):
+                raise NoRoom(f"tenant:{task['tenant_id']}:budget") from None
+            raise NoRoom(f"budget:{scope or 'unknown'}") from None
 
     def _intervene(self, conn, lane: str, task: dict, kind: str, detail: dict) -> None:
         import json
