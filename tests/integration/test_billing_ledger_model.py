@@ -19,6 +19,8 @@ The charge each settlement must make comes from the pure policies.decide(), so t
 the transaction applies exactly what the locked policy says."""
 from __future__ import annotations
 
+import os
+
 import uuid
 from collections import Counter
 from datetime import timedelta
@@ -222,13 +224,16 @@ class LedgerMachine(RuleBasedStateMachine):
             self.now = nxt or self.now
         else:
             self.now += timedelta(days=days)
-        due = self.conn.execute("""select coalesce(sum(remaining_amount), 0)::bigint as n from credit_lot
-                                    where wallet_id = %s and expires_at <= %s""", (self.w.wallet_id, self.now)).fetchone()["n"]
+        due = self._due(self.now)
         got = self.tx(lambda c: expiry.expire_wallet(c, wallet_id=self.w.wallet_id, tenant_id=self.w.tenant_id, now=self.now))
         assert got == due
         STATS["expired" if got else "expire_nothing"] += 1
         self.available -= got
         self.replays.append(("expire", self.now))
+
+    def _due(self, at) -> int:
+        return self.conn.execute("""select coalesce(sum(remaining_amount), 0)::bigint as n from credit_lot
+                                     where wallet_id = %s and expires_at <= %s""", (self.w.wallet_id, at)).fetchone()["n"]
 
     @precondition(lambda self: self.replays)
     @rule(pick=st.integers(0, 10**6), prefer=st.sampled_from(["settle", "refund", "compensate", "expire"]))
@@ -243,12 +248,18 @@ class LedgerMachine(RuleBasedStateMachine):
         elif kind in ("refund", "compensate"):
             assert self.tx(args[0])["replayed"]
         else:
-            assert self.tx(lambda c: expiry.expire_wallet(c, wallet_id=self.w.wallet_id, tenant_id=self.w.tenant_id,
-                                                          now=args[0])) == 0
+            # A sweep run again at the same instant books only what became due since: credit released
+            # into an expired lot after the first sweep (a reservation that spanned the expiry).
+            newly_due = self._due(args[0])
+            got = self.tx(lambda c: expiry.expire_wallet(c, wallet_id=self.w.wallet_id, tenant_id=self.w.tenant_id,
+                                                         now=args[0]))
+            assert got == newly_due
+            self.available -= got
         STATS[f"replay_{kind}"] += 1
         after = self.snapshot()
-        if kind == "expire":  # lot rows may differ only if nothing was due; the ledger must not grow
-            assert after["ledger_transaction"] == before["ledger_transaction"]
+        if kind == "expire":  # lot rows may differ only if nothing was due; the ledger grows only by what was due
+            if newly_due == 0:
+                assert after["ledger_transaction"] == before["ledger_transaction"]
         else:
             assert after == before, f"replaying {kind} added something"
 
@@ -276,8 +287,11 @@ def machine_ctx(db_url):
 
 
 def test_ledger_state_machine(machine_ctx):
+    # CI explores the same 200 examples every run (a red build is a regression, not a dice roll);
+    # AIVEDIO_HYPOTHESIS_EXPLORE=1 draws new ones, for a longer hunt on a workstation.
+    explore = os.environ.get("AIVEDIO_HYPOTHESIS_EXPLORE") == "1"
     run_state_machine_as_test(LedgerMachine, settings=settings(
-        max_examples=200, stateful_step_count=15, deadline=None, derandomize=False,
+        max_examples=200, stateful_step_count=15, deadline=None, derandomize=not explore, database=None if not explore else settings.default.database,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]))
     # Hypothesis switches rules off per example (swarm testing), so single paths vary from run to
     # run; each family must have been taken, and the detail is printed for the curious (-s).
