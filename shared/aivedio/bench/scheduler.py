@@ -415,7 +415,7 @@ def bench_queue_depth(admin_url: str, redis_url: str | None, *, tenants: int = 1
     with ExitStack() as stack:
         envs = [_depth_env(stack, admin_url, redis_url, tenants=tenants, queued=q) for q in (small, large)]
         for e in envs:
-            e["sched"].tick(0.5)  # warm-up: connections, prepared statements, caches
+            e["sched"].tick(budget)  # warm-up (connections, prepared statements, caches): one tick, not a drain
             with e["p"].db.connection() as conn:
                 e["at_go"] = db_counts(conn)["attempts"]
         while any(e["claims"] < claims for e in envs):
