@@ -94,3 +94,24 @@ def test_a_tenant_budget_caps_the_tenant_at_the_claim(p):
     assert Scheduler(p).tick(3.0).claims == 0
     with p.db.connection() as conn:
         assert conn.execute("select state from generation_task where task_id = %s", (task_id,)).fetchone()["state"] == "QUEUED"
+
+
+def test_the_burn_rate_mirror_speeds_admission_up_but_postgresql_decides(p):
+    t = new_tenant(p, **UNCAPPED)
+    b = budget(p, "TENANT", str(t.tenant_id), "10.00", consumed="1.00")
+    budget(p, "GLOBAL", budgets.GLOBAL_SCOPE_ID, "1000000.00")
+    assert try_admit(p, t)["decision"] == "ACCEPTED"  # PostgreSQL answered and filled the mirror
+    mirrored = p.cache.r.get(p.cache.key("budget-burn", "TENANT", str(t.tenant_id)))
+    assert mirrored is not None and float(mirrored) == 10.0
+    assert budgets.mirror_clear(p.cache, t.tenant_id, p.config.billing)
+    # The budget is spent behind the mirror's back: a fresh mirror lets a request through (the claim
+    # would still refuse it); once the mirror is gone, PostgreSQL refuses at the door.
+    with p.db.connection() as conn:
+        conn.execute("update budget_account set consumed_amount = 10 where budget_id = %s", (b,))
+    assert try_admit(p, t)["decision"] == "ACCEPTED"
+    p.cache.r.delete(p.cache.key("budget-burn", "TENANT", str(t.tenant_id)))
+    with pytest.raises(Rejected) as e:
+        try_admit(p, t)
+    assert e.value.decision == "REJECT_COST_BUDGET"
+    assert float(p.cache.r.get(p.cache.key("budget-burn", "TENANT", str(t.tenant_id)))) == 100.0
+    assert not budgets.mirror_clear(p.cache, t.tenant_id, p.config.billing)

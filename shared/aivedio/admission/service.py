@@ -166,10 +166,8 @@ def _check_lane(platform, policy: dict, est: Estimate) -> None:
 def _check_budgets(platform, caller: Caller, est: Estimate) -> None:
     if not budgets.in_force(platform):
         return
-    with platform.db.connection() as conn:
-        why = budgets.admission_refusal(conn, tenant_id=caller.tenant_id, now=platform.clock.now(),
-                                        config=platform.config.billing, costly=est.is_expensive,
-                                        low_priority=est.priority_band >= budgets.LOW_PRIORITY_BAND)
+    why = budgets.check_admission(platform, tenant_id=caller.tenant_id, costly=est.is_expensive,
+                                  low_priority=est.priority_band >= budgets.LOW_PRIORITY_BAND)
     if why is not None:
         raise Rejected("REJECT_COST_BUDGET", why, 60)
 

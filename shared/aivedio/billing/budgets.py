@@ -245,14 +245,16 @@ def attempt_scopes(tenant_id: UUID, provider: str, account: str, model: str, reg
             ("REGION", region or ""), ("GLOBAL", GLOBAL_SCOPE_ID)]
 
 
-def admission_refusal(conn: psycopg.Connection, *, tenant_id: UUID, now: datetime, config: BillingConfig,
-                      costly: bool, low_priority: bool) -> str | None:
-    """Why admission must refuse new work of this kind, from the tenant's and the platform's
-    budgets (None: it may come in). The claim reserves against every scope later; this stops work
-    that could never be claimed from queueing up."""
-    rows = conn.execute(
+def admission_budgets(conn: psycopg.Connection, tenant_id: UUID, now: datetime) -> list[dict]:
+    """The budgets admission answers to: the tenant's own and the platform's (GLOBAL)."""
+    return conn.execute(
         """select * from budget_account where (scope_type, scope_id) in (('TENANT', %s), ('GLOBAL', %s))
               and period_start <= %s and period_end > %s""", (str(tenant_id), GLOBAL_SCOPE_ID, now, now)).fetchall()
+
+
+def refusal(rows: list[dict], *, config: BillingConfig, costly: bool, low_priority: bool) -> str | None:
+    """Why admission must refuse new work of this kind (None: it may come in). The claim reserves
+    against every scope later; this stops work that could never be claimed from queueing up."""
     for b in rows:
         pct = usage_pct(b)
         if pct >= config.budget_reject_pct:
@@ -260,3 +262,55 @@ def admission_refusal(conn: psycopg.Connection, *, tenant_id: UUID, now: datetim
         if pct >= config.budget_restrict_pct and (costly or low_priority):
             return f"the {b['scope_type'].lower()} budget is at {pct:.0f}%: costly and low-priority work waits"
     return None
+
+
+# --- the burn-rate mirror in Redis ---------------------------------------------------------------------
+# Each scope's budgets as PostgreSQL last showed them (usage of the limit), kept a few seconds. It
+# only spares admission a query: a fresh mirror that shows every budget of the tenant and the
+# platform below the restrict level lets the request through unchecked; anything else (missing,
+# stale, near a threshold, Redis down) is decided by PostgreSQL, which also refreshes the mirror.
+# The claim always reserves in PostgreSQL, so a mirror that lags can never overspend a budget.
+
+MIRROR_TTL_SECONDS = 5
+
+
+def _mirror_key(cache, scope_type: str, scope_id: str) -> str:
+    return cache.key("budget-burn", scope_type, scope_id)
+
+
+def mirror_write(cache, scope_type: str, scope_id: str, rows: list[dict]) -> None:
+    from aivedio.cache.client import CacheUnavailable
+
+    mine = [b for b in rows if (b["scope_type"], b["scope_id"]) == (scope_type, scope_id)]
+    worst = max((float(usage_pct(b)) for b in mine), default=0.0)
+    try:
+        cache.run(cache.r.set, _mirror_key(cache, scope_type, scope_id), f"{worst:.4f}", ex=MIRROR_TTL_SECONDS)
+    except CacheUnavailable:
+        pass
+
+
+def mirror_clear(cache, tenant_id: UUID, config: BillingConfig) -> bool:
+    """True when the mirror alone shows the tenant's and the platform's budgets below the restrict
+    level; False means: ask PostgreSQL."""
+    from aivedio.cache.client import CacheUnavailable
+
+    try:
+        values = cache.run(cache.r.mget, [_mirror_key(cache, "TENANT", str(tenant_id)),
+                                          _mirror_key(cache, "GLOBAL", GLOBAL_SCOPE_ID)])
+    except CacheUnavailable:
+        return False
+    return all(v is not None and float(v) < config.budget_restrict_pct for v in values)
+
+
+def check_admission(platform, *, tenant_id: UUID, costly: bool, low_priority: bool) -> str | None:
+    """refusal() of the admission budgets, through the mirror: Redis speeds the usual answer up,
+    PostgreSQL decides."""
+    config = platform.config.billing
+    if platform.cache is not None and mirror_clear(platform.cache, tenant_id, config):
+        return None
+    with platform.db.connection() as conn:
+        rows = admission_budgets(conn, tenant_id, platform.clock.now())
+    if platform.cache is not None:
+        mirror_write(platform.cache, "TENANT", str(tenant_id), rows)
+        mirror_write(platform.cache, "GLOBAL", GLOBAL_SCOPE_ID, rows)
+    return refusal(rows, config=config, costly=costly, low_priority=low_priority)
