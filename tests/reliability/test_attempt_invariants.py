@@ -59,6 +59,7 @@ from psycopg.rows import dict_row
 
 from aivedio.config import (LaneConfig, Limits, PlatformConfig, ProviderAccount, ProviderConfig, SchedulerConfig, Settings,
                             SimulatorBehaviour, Timers)
+from tests.child_events import Events
 from tests.conftest import TEST_HOME, create_test_database, drop_test_database
 from tests.scheduler_support import BODY_1U, BODY_2U, OPEN, UNCAPPED
 
@@ -260,28 +261,6 @@ def runtime_main(role, idx, db_url, redis_url, prefix, cfg_json, loop_names, poo
     except BaseException as e:
         events.put(("error", f"{role}-{idx}: {e!r}", os.getpid()))
         raise
-
-
-class Events:
-    """What the children report; a child's error fails the test at once."""
-
-    def __init__(self, q):
-        self.q, self.seen = q, []
-
-    def pump(self, timeout: float) -> None:
-        try:
-            ev = self.q.get(timeout=timeout)
-        except queue.Empty:
-            return
-        self.seen.append(ev)
-        if ev[0] == "error":
-            raise AssertionError(f"a child process failed: {ev[1]}")
-
-    def wait_for(self, pred, n: int, timeout: float) -> list:
-        end = time.monotonic() + timeout
-        while len([e for e in self.seen if pred(e)]) < n and time.monotonic() < end:
-            self.pump(0.2)
-        return [e for e in self.seen if pred(e)]
 
 
 class Checker:

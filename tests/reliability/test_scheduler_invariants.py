@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import queue
 import random
 import signal
 import threading
@@ -41,6 +40,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from aivedio.config import LaneConfig, Limits, PlatformConfig, ProviderAccount, ProviderConfig, SchedulerConfig, Settings
+from tests.child_events import Events
 from tests.conftest import TEST_HOME
 from tests.scheduler_support import BODY_1U, BODY_2U, LIVE_STATES, OPEN, Running, complete, pick_attempts
 
@@ -509,38 +509,6 @@ def _setup(db_url, redis_url, prefix, config):
     with p.db.connection() as c:
         policies = {r["tenant_id"]: r for r in c.execute("select * from tenant_scheduling_policy").fetchall()}
     return p, tenants, policies, plans
-
-
-class Events:
-    """What the children report, kept in arrival order; a child's error fails the test at once."""
-
-    def __init__(self, q):
-        self.q, self.seen = q, []
-
-    def pump(self, timeout: float) -> None:
-        try:
-            ev = self.q.get(timeout=timeout)
-        except queue.Empty:
-            return
-        self.seen.append(ev)
-        if ev[0] == "error":
-            raise AssertionError(f"a child process failed: {ev[1]}")
-
-    def of(self, kind: str) -> list:
-        return [ev for ev in self.seen if ev[0] == kind]
-
-    def wait_for(self, kind: str, n: int, timeout: float) -> list:
-        end = time.monotonic() + timeout
-        while len(self.of(kind)) < n and time.monotonic() < end:
-            self.pump(0.2)
-        return self.of(kind)
-
-    def drain(self) -> None:
-        while True:
-            try:
-                self.seen.append(self.q.get(timeout=0.2))
-            except queue.Empty:
-                return
 
 
 def test_four_schedulers_two_thousand_tasks_keep_every_invariant(db_url, redis_url, redis_prefix, request):
