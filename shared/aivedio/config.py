@@ -199,6 +199,7 @@ class Limits(_Strict):
     aimd_increase_units: int = Field(default=1, gt=0)  # each accepted submit gives this much back
     aimd_min_units: int = Field(default=1, gt=0)
     aimd_cooldown_seconds: float = Field(default=5.0, ge=0)  # a burst of 429s cuts the limit once, not once per 429
+    max_attempt_recoveries: int = Field(default=10, ge=1)  # lease-expiry restarts of one attempt, then MANUAL_REVIEW
     orphan_cancel: bool = True  # cancel provider jobs whose attempt was replaced (they may be billed)
 
 

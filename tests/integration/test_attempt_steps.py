@@ -383,3 +383,38 @@ def test_lease_scanner_restarts_lost_executions_once(world):
     finally:
         runner.stop()
         p.extras.pop("workflow_runner", None)
+
+
+def test_a_worker_that_stalls_before_sending_does_not_send_once_taken_over(world, monkeypatch):
+    p, sim = world()
+    ref = claim_one(p)
+    real_request = steps._request
+    nested = []
+
+    def stall_then_request(platform, task, attempt):
+        # While this worker stalls between marking the send and sending, the lease scanner's
+        # execution takes the attempt over: it never resends, it marks the attempt unknown.
+        if not nested:
+            nested.append(steps.submit(p, ref))
+        return real_request(platform, task, attempt)
+
+    monkeypatch.setattr(steps, "_request", stall_then_request)
+    assert steps.submit(p, ref) == {"next": "done", "outcome": "superseded"}
+    assert nested[0]["then"] == "resolve" and task_row(p, ref)["state"] == "SUBMIT_UNKNOWN"
+    assert sim.truth["jobs"] == []  # nothing was sent by either execution
+
+
+def test_an_attempt_restarted_too_often_goes_to_manual_review(world):
+    from aivedio.attempts.recovery import restart_expired
+
+    p, sim = world()
+    ref = claim_one(p)
+    with p.db.connection() as conn:
+        conn.execute("""update task_attempt set lease_until = now() - interval '1 second', recoveries = %s
+                         where attempt_id = %s""", (p.config.limits.max_attempt_recoveries, ref.attempt_id))
+    assert restart_expired(p) == 1
+    t = task_row(p, ref)
+    assert t["state"] == "MANUAL_REVIEW" and t["error_code"] == "RECOVERY_EXHAUSTED"
+    assert attempt_row(p, ref.attempt_id)["state"] == "MANUAL_REVIEW"
+    assert active_reservations(p, ref) > 0 and len(events(p, ref, "TaskNeedsReview")) == 1
+    assert restart_expired(p) == 0

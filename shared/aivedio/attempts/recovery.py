@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from aivedio.attempts import executions
 from aivedio.attempts.lifecycle import LIVE, AttemptRef
+from aivedio.attempts.steps import to_manual_review
 from aivedio.observability import logger, metrics
 
 BATCH = 200
@@ -33,6 +34,12 @@ def restart_expired(platform, limit: int = BATCH) -> int:
     rows = platform.db.transaction(tx)
     for r in rows:
         ref = AttemptRef(r["tenant_id"], r["task_id"], r["attempt_id"], r["fencing_token"])
+        if r["recoveries"] > platform.config.limits.max_attempt_recoveries:
+            # Its steps fail every time (a provider removed from the config, a bug): restarting it
+            # again would hold its reservations forever. A person decides; the job may be live.
+            to_manual_review(platform, ref, "RECOVERY_EXHAUSTED",
+                             f"the workflow was restarted {r['recoveries'] - 1} times without finishing")
+            continue
         name = executions.start(platform, ref, recoveries=r["recoveries"])
         metrics.add("attempts_recovered", state=r["state"])
         logger.warning("attempt lease expired; workflow restarted", extra={**ref.log(), "state": r["state"], "execution": name})

@@ -141,8 +141,8 @@ def submit(platform, ref: AttemptRef, step: Step | None = None) -> Step:
     ctx = _Ctx(platform, ref, step)
 
     def claim_send(conn) -> tuple[str, Loaded | None]:
-        now = ctx.now
         loaded = load(conn, ref, lock=True)
+        now = ctx.now  # after the lock: submit_started_at must not predate a wait for it
         if loaded is None or not loaded.current or loaded.attempt["state"] != "DISPATCHING" or tasks.is_terminal(loaded.task["state"]):
             return "route", loaded
         if loaded.task["state"] == "CANCEL_REQUESTED" and loaded.attempt["submit_started_at"] is None:
@@ -165,8 +165,13 @@ def submit(platform, ref: AttemptRef, step: Step | None = None) -> Step:
         return wait("resolve", ctx.timers.unknown_first_check_seconds)
     assert loaded is not None
     attempt = loaded.attempt
-    outcome = adapter(platform, attempt["provider"]).submit(attempt["provider_account"], attempt["provider_request_key"],
-                                                           _request(platform, loaded.task, attempt))
+    request = _request(platform, loaded.task, attempt)
+    if not _still_sending(ctx):
+        # This worker stalled after marking the send (a pause, a long GC) and another execution took
+        # the attempt over: it must not send now, or an absence proven meanwhile would be wrong.
+        logger.warning("submit not sent: the attempt was taken over while this worker stalled", extra=ref.log())
+        return done("superseded")
+    outcome = adapter(platform, attempt["provider"]).submit(attempt["provider_account"], attempt["provider_request_key"], request)
     log = {**ref.log(), "provider": attempt["provider"], "outcome": outcome.kind}
 
     def record(conn) -> Step:
@@ -213,6 +218,8 @@ def submit(platform, ref: AttemptRef, step: Step | None = None) -> Step:
         metrics.add("stale_writes_refused", source="submit")
         if isinstance(outcome, Accepted):
             _cancel_orphan(platform, attempt, outcome.job_id)
+        elif isinstance(outcome, Unknown):
+            _find_stale_job(platform, attempt)
         return result
     if isinstance(outcome, Accepted):
         aimd.increase(platform, attempt["provider"], attempt["provider_account"])
@@ -220,6 +227,37 @@ def submit(platform, ref: AttemptRef, step: Step | None = None) -> Step:
         aimd.decrease(platform, attempt["provider"], attempt["provider_account"])
     logger.info("submitted", extra={**log, "next": result["next"]})
     return result
+
+
+STILL_SENDING = """select 1 from generation_task t join task_attempt a on a.attempt_id = t.current_attempt_id
+                    where t.tenant_id = %s and t.task_id = %s and t.current_attempt_id = %s and t.current_fencing_token = %s
+                      and a.state = 'DISPATCHING' and a.submit_started_at is not null"""
+
+
+def _still_sending(ctx: _Ctx) -> bool:
+    """The last check before the send: the attempt is current and still this execution's to send
+    (a restarted execution marks it SUBMIT_UNKNOWN first). The window left is the few microseconds
+    between this read and the request."""
+    r = ctx.ref
+    with ctx.p.db.connection() as conn:
+        return conn.execute(STILL_SENDING, (r.tenant_id, r.task_id, r.attempt_id, r.fencing_token)).fetchone() is not None
+
+
+def _find_stale_job(platform, attempt: dict) -> None:
+    """A replaced attempt's send ended unknown: the job may exist. Look it up by its key, so it is
+    recorded and stopped like any orphan rather than left running unseen."""
+    try:
+        lookup = adapter(platform, attempt["provider"]).find_by_key(attempt["provider_account"],
+                                                                    idempotency_key=attempt["provider_request_key"])
+    except ProviderError as e:
+        logger.warning("lookup of a stale unknown submit failed; invoice reconciliation will see the job if any",
+                       extra={"attempt_id": str(attempt["attempt_id"]), "error": e.message})
+        return
+    for job in lookup.items:
+        with platform.db.connection() as conn:
+            record_orphan(conn, attempt["provider"], job.id, attempt["provider_account"], attempt["attempt_id"],
+                          "STALE_SUBMIT", {"status": job.status})
+        _cancel_orphan(platform, attempt, job.id)
 
 
 def _cancel_orphan(platform, attempt: dict, job_id: str) -> None:
@@ -239,6 +277,11 @@ def _safe_window(ctx: _Ctx, provider_window: int | None) -> float:
     idempotency window, where its empty answer still means something."""
     safe = ctx.timers.unknown_safe_window_seconds
     return safe if provider_window is None else min(safe, provider_window * 0.9)
+
+
+def to_manual_review(platform, ref: AttemptRef, reason: str, message: str) -> Step:
+    """Hand the attempt to a person: the task goes to MANUAL_REVIEW with its reservations kept."""
+    return _to_manual_review(_Ctx(platform, ref, None), reason, message)
 
 
 def _to_manual_review(ctx: _Ctx, reason: str, message: str) -> Step:
