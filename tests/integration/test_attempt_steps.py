@@ -320,6 +320,12 @@ def test_callback_through_the_api_route(world, serve):
         assert bad.status_code == 401 and bad.json()["error"] == "UNAUTHENTICATED"
         nope = api.http.post("/v1/providers/nobody/callbacks", content=body, headers={**headers, "Content-Type": "application/json"})
         assert nope.status_code == 404
+        garbled = '{"type": "job.exploded", "data": {}}'  # signed, but not a job event of the contract
+        r = api.http.post("/v1/providers/provider-a/callbacks", content=garbled,
+                          headers={**sign_webhook(SECRET, "msg_garbled", int(time.time()), garbled), "Content-Type": "application/json"})
+        assert r.status_code == 422 and r.json()["error"] == "VALIDATION_ERROR"
+        with p.db.connection() as conn:  # refused before anything was written
+            assert conn.execute("select count(*) as n from webhook_receipt where webhook_id = 'msg_garbled'").fetchone()["n"] == 0
     finally:
         set_platform(None)
 
