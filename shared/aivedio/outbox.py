@@ -9,6 +9,7 @@ after Limits.outbox_max_attempts, where an operator sees it. A crash between del
 delivers again: consumers deduplicate with mark_processed()."""
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,13 @@ on conflict do nothing
 """
 
 
+INSERT_EVENTS = """
+insert into outbox_event (event_id, event_type, aggregate_type, aggregate_id, tenant_id, payload)
+select * from unnest(%(ids)s::uuid[], %(types)s::text[], %(aggregate_types)s::text[], %(aggregate_ids)s::uuid[],
+                     %(tenants)s::uuid[], %(payloads)s::jsonb[])
+"""
+
+
 def write_event(
     conn: psycopg.Connection,
     event_type: str,
@@ -92,6 +100,19 @@ def write_event(
         },
     )
     return event_id
+
+
+def write_events(conn: psycopg.Connection, event_type: str, *, aggregate_type: str,
+                 events: list[tuple[UUID | None, UUID | None, dict[str, Any]]]) -> list[UUID]:
+    """write_event() for many events of one type in one statement: (aggregate_id, tenant_id,
+    payload) each. Returns their event_ids."""
+    if not events:
+        return []
+    ids = [uuid.uuid4() for _ in events]
+    conn.execute(INSERT_EVENTS, {"ids": ids, "types": [event_type] * len(events), "aggregate_types": [aggregate_type] * len(events),
+                                 "aggregate_ids": [e[0] for e in events], "tenants": [e[1] for e in events],
+                                 "payloads": [json.dumps(e[2]) for e in events]})
+    return ids
 
 
 def envelope_of(row: dict[str, Any]) -> EventEnvelope:

@@ -6,9 +6,10 @@ a block of SUCCEEDED tasks, each with its attempt, charge snapshot, credit reser
 allocation and RESERVE ledger transaction, exactly the rows admission and the scheduler leave (the
 ledger's balance triggers check them at commit). The measured path is the real one: W worker
 processes (as W Lambda instances of functions/settlement) each feed the handler SQS batches of 10
-TaskSucceeded envelopes and count the records it settled. Each settlement is the whole transaction:
-dedupe, wallet lock, locked price and policy, SETTLE and RELEASE across lots, snapshot, provider
-cost on the attempt and as a provider_cost_event, outbox. The benchmark then checks itself: one
+TaskSucceeded envelopes and count the records it settled. The handler settles a batch in one
+transaction (settle_many), and each settlement in it is the whole work: dedupe, wallet lock, locked
+price and policy, SETTLE and RELEASE across lots, snapshot, provider cost on the attempt and as a
+provider_cost_event, outbox. The benchmark then checks itself: one
 SETTLE per settled task and every wallet's snapshot equal to its ledger."""
 from __future__ import annotations
 

@@ -33,28 +33,32 @@ SOURCE = "API"  # the platform's own record of the provider's answer (callback o
 COST_EVENT_TYPE = {"SUCCEEDED": "GENERATION", "FAILED": "FAILED_CHARGE", "CANCELLED": "CANCELLATION_FEE"}
 QUANTUM = Decimal("0.00000001")  # numeric(20, 8)
 
-# Sets the attempt's actual cost unless it is set already, and says what it found, in one statement
-# (the main query sees the row as it was before the CTE's update).
-SET_ACTUAL_COST = """
-with upd as (
-    update task_attempt set actual_cost_amount = %(amount)s, actual_cost_currency = %(currency)s, updated_at = %(now)s
-     where attempt_id = %(attempt_id)s and task_id = %(task_id)s and actual_cost_amount is null
-    returning attempt_id)
-select (select count(*) from upd) as updated, a.attempt_id as found, a.actual_cost_amount, a.actual_cost_currency
-  from (values (1)) as one(x)
-  left join task_attempt a on a.attempt_id = %(attempt_id)s and a.task_id = %(task_id)s
+# For each reported cost: the provider_cost_event (unless `insert_event` is false: a zero cost), the
+# attempt's actual cost unless it is set already, and what was found on the attempt, in one statement
+# (the main query sees the attempts as they were before the CTE's update).
+RECORD_COSTS = """
+with ev as (
+    select * from unnest(%(attempts)s::uuid[], %(tenants)s::uuid[], %(tasks)s::uuid[], %(providers)s::text[], %(accounts)s::text[],
+                         %(charges)s::text[], %(types)s::text[], %(amounts)s::numeric[], %(currencies)s::text[],
+                         %(occurred)s::timestamptz[], %(hashes)s::text[], %(inserts)s::bool[]) with ordinality
+        as u(attempt_id, tenant_id, task_id, provider, account, charge_id, event_type, amount, currency, occurred_at, hash,
+             insert_event, n)),
+cost_event as (
+    insert into provider_cost_event (attempt_id, tenant_id, task_id, provider, provider_account_id, external_charge_id,
+                                     event_type, amount, currency, source, occurred_at, raw_payload_hash)
+    select attempt_id, tenant_id, task_id, provider, account, charge_id, event_type, amount, currency, %(source)s, occurred_at, hash
+      from ev where insert_event
+    on conflict (provider, provider_account_id, external_charge_id, event_type) do nothing),
+upd as (
+    update task_attempt a set actual_cost_amount = ev.amount, actual_cost_currency = ev.currency, updated_at = ev.occurred_at
+      from ev
+     where ev.attempt_id is not null and a.attempt_id = ev.attempt_id and a.task_id = ev.task_id and a.actual_cost_amount is null
+    returning a.attempt_id)
+select ev.attempt_id, exists (select 1 from upd where upd.attempt_id = ev.attempt_id) as updated, a.attempt_id as found,
+       a.actual_cost_amount, a.actual_cost_currency
+  from ev left join task_attempt a on a.attempt_id = ev.attempt_id and a.task_id = ev.task_id
+ order by ev.n
 """
-
-INSERT_COST_EVENT = """
-insert into provider_cost_event (attempt_id, tenant_id, task_id, provider, provider_account_id, external_charge_id,
-                                 event_type, amount, currency, source, occurred_at, raw_payload_hash)
-values (%(attempt_id)s, %(tenant_id)s, %(task_id)s, %(provider)s, %(account)s, %(charge_id)s, %(event_type)s,
-        %(amount)s, %(currency)s, %(source)s, %(occurred_at)s, %(hash)s)
-on conflict (provider, provider_account_id, external_charge_id, event_type) do nothing
-"""
-
-# The usual case, one statement: the cost event and the attempt's actual cost.
-RECORD_AND_SET_ACTUAL_COST = "with cost_event as (" + INSERT_COST_EVENT.strip() + "),\n" + SET_ACTUAL_COST.strip()[len("with "):]
 
 
 @dataclass(frozen=True)
@@ -64,57 +68,101 @@ class RecordedCost:
     currency: str | None = None
 
 
-def record_provider_cost(conn: psycopg.Connection, *, payload: dict, state: str, stage: str, tenant_id: UUID,
-                         task_id: UUID, attempt_id: UUID | None, provider: str | None, provider_account: str | None,
-                         provider_job_id: str | None, charge_id: str | None, provider_charged: bool,
-                         usage: Any, occurred_at: datetime, event_type: str | None = None,
-                         event_id: Any = None) -> RecordedCost:
-    """Record the cost a terminal event reports, idempotently. `usage` has cost_amount and currency
-    (or is None). One statement awaits an answer (the attempt's cost check); the rest is pipelined."""
-    ids = dict(payload=payload, event_type=event_type, event_id=event_id, task_id=task_id, tenant_id=tenant_id,
-               attempt_id=attempt_id)
-    amount = getattr(usage, "cost_amount", None) if usage is not None else None
-    currency = getattr(usage, "currency", None) if usage is not None else None
-    if amount is None or not currency:
-        if provider_charged:
-            parked.park(conn, reason="COST_UNKNOWN", detail="the provider billed this job without reporting its cost", **ids)
-            return RecordedCost("PARKED")
-        return RecordedCost("NO_COST")
-    amount = Decimal(amount).quantize(QUANTUM)
-    status = "RECORDED" if amount != 0 else "NO_COST"
-    if amount != 0:
-        cost_type = "GENERATION" if stage in ("PROVIDER_SUCCEEDED", "MEDIA_DELIVERY_FAILED") else COST_EVENT_TYPE[state]
-        external = charge_id
-        if external is None:
+@dataclass(frozen=True)
+class CostReport:
+    """What one terminal event says the provider charged (`usage` has cost_amount and currency, or is None)."""
+
+    payload: dict
+    state: str
+    stage: str
+    tenant_id: UUID
+    task_id: UUID
+    attempt_id: UUID | None
+    provider: str | None
+    provider_account: str | None
+    provider_job_id: str | None
+    charge_id: str | None
+    provider_charged: bool
+    usage: Any
+    occurred_at: datetime
+    event_type: str | None = None
+    event_id: Any = None
+
+
+def record_provider_cost(conn: psycopg.Connection, **report: Any) -> RecordedCost:
+    """Record the cost one terminal event reports, idempotently (record_provider_costs of one)."""
+    return record_provider_costs(conn, [CostReport(**report)])[0]
+
+
+def record_provider_costs(conn: psycopg.Connection, reports: list[CostReport]) -> list[RecordedCost]:
+    """Record the costs terminal events report, idempotently. One statement awaits an answer (the
+    attempts' cost check, for all of them at once); the parking of odd cases is pipelined."""
+    out: list[RecordedCost | None] = [None] * len(reports)
+    rows: list[tuple[int, dict]] = []  # (index, the row for RECORD_COSTS)
+    for i, r in enumerate(reports):
+        ids = _ids(r)
+        amount = getattr(r.usage, "cost_amount", None) if r.usage is not None else None
+        currency = getattr(r.usage, "currency", None) if r.usage is not None else None
+        if amount is None or not currency:
+            if r.provider_charged:
+                parked.park(conn, reason="COST_UNKNOWN", detail="the provider billed this job without reporting its cost", **ids)
+                out[i] = RecordedCost("PARKED")
+            else:
+                out[i] = RecordedCost("NO_COST")
+            continue
+        amount = Decimal(amount).quantize(QUANTUM)
+        if amount == 0 and r.attempt_id is None:
+            out[i] = RecordedCost("NO_COST", amount, currency)
+            continue
+        cost_type = "GENERATION" if r.stage in ("PROVIDER_SUCCEEDED", "MEDIA_DELIVERY_FAILED") else COST_EVENT_TYPE[r.state]
+        external = r.charge_id
+        if amount != 0 and external is None:
             # No stable charge id: a conservative composite key, and reconciliation decides (ch. 20.5.5).
-            external = f"composite:{provider_job_id or attempt_id or task_id}"
+            external = f"composite:{r.provider_job_id or r.attempt_id or r.task_id}"
             parked.park(conn, reason="COST_WITHOUT_CHARGE_ID", detail=f"composite key {external}", **ids)
-        digest = hashlib.sha256(f"{charge_id}|{provider_job_id}|{amount}|{currency}|{stage}".encode()).hexdigest()
-        event = {"attempt_id": attempt_id, "tenant_id": tenant_id, "task_id": task_id, "provider": provider or "unknown",
-                 "account": provider_account or "unknown", "charge_id": external, "event_type": cost_type, "amount": amount,
-                 "currency": currency, "source": SOURCE, "occurred_at": occurred_at, "hash": digest}
-        if attempt_id is None:
-            conn.execute(INSERT_COST_EVENT, event)
-            parked.park(conn, reason="UNMAPPED_ATTEMPT", detail="a cost without an attempt", **ids)
-            return RecordedCost("PARKED", amount, currency)
-        row = conn.execute(RECORD_AND_SET_ACTUAL_COST, {**event, "now": occurred_at}).fetchone()
-    elif attempt_id is None:
-        return RecordedCost(status, amount, currency)
-    else:
-        row = conn.execute(SET_ACTUAL_COST, {"amount": amount, "currency": currency, "now": occurred_at, "attempt_id": attempt_id,
-                                             "task_id": task_id}).fetchone()
-    if row["updated"]:
-        return RecordedCost(status, amount, currency)
-    if row["found"] is None:
-        parked.park(conn, reason="UNMAPPED_ATTEMPT", detail=f"no attempt {attempt_id} of task {task_id}", **ids)
+        digest = hashlib.sha256(f"{r.charge_id}|{r.provider_job_id}|{amount}|{currency}|{r.stage}".encode()).hexdigest()
+        rows.append((i, {"attempt_id": r.attempt_id, "tenant_id": r.tenant_id, "task_id": r.task_id,
+                         "provider": r.provider or "unknown", "account": r.provider_account or "unknown", "charge_id": external,
+                         "event_type": cost_type, "amount": amount, "currency": currency, "occurred_at": r.occurred_at,
+                         "hash": digest, "insert_event": amount != 0}))
+    if rows:
+        cols = ("attempt_id", "tenant_id", "task_id", "provider", "account", "charge_id", "event_type", "amount", "currency",
+                "occurred_at", "hash", "insert_event")
+        names = ("attempts", "tenants", "tasks", "providers", "accounts", "charges", "types", "amounts", "currencies",
+                 "occurred", "hashes", "inserts")
+        found = conn.execute(RECORD_COSTS, {"source": SOURCE, **{n: [row[c] for _, row in rows] for n, c in zip(names, cols)}}
+                             ).fetchall()
+        # One answer row per input row, in input order.
+        for (i, row), res in zip(rows, found):
+            out[i] = _checked(conn, reports[i], row, res)
+    return out  # type: ignore[return-value]
+
+
+def _ids(r: CostReport) -> dict:
+    return dict(payload=r.payload, event_type=r.event_type, event_id=r.event_id, task_id=r.task_id, tenant_id=r.tenant_id,
+                attempt_id=r.attempt_id)
+
+
+def _checked(conn: psycopg.Connection, r: CostReport, row: dict, res: dict) -> RecordedCost:
+    """What the attempt said about one recorded cost: set now, the same as before, or parked."""
+    amount, currency = row["amount"], row["currency"]
+    status = "RECORDED" if amount != 0 else "NO_COST"
+    ids = _ids(r)
+    if r.attempt_id is None:
+        parked.park(conn, reason="UNMAPPED_ATTEMPT", detail="a cost without an attempt", **ids)
         return RecordedCost("PARKED", amount, currency)
-    if row["actual_cost_currency"] != currency:
-        parked.park(conn, reason="CURRENCY_MISMATCH", detail=f"attempt cost in {row['actual_cost_currency']}, event in {currency}",
+    if res["updated"]:
+        return RecordedCost(status, amount, currency)
+    if res["found"] is None:
+        parked.park(conn, reason="UNMAPPED_ATTEMPT", detail=f"no attempt {r.attempt_id} of task {r.task_id}", **ids)
+        return RecordedCost("PARKED", amount, currency)
+    if res["actual_cost_currency"] != currency:
+        parked.park(conn, reason="CURRENCY_MISMATCH", detail=f"attempt cost in {res['actual_cost_currency']}, event in {currency}",
                     **ids)
         return RecordedCost("PARKED", amount, currency)
-    if Decimal(row["actual_cost_amount"]) != amount:
-        # The provider_cost_event above still records what this event said, under its own key.
-        parked.park(conn, reason="COST_MISMATCH", detail=f"attempt cost {row['actual_cost_amount']}, event {amount}", **ids)
+    if Decimal(res["actual_cost_amount"]) != amount:
+        # The provider_cost_event still records what this event said, under its own key.
+        parked.park(conn, reason="COST_MISMATCH", detail=f"attempt cost {res['actual_cost_amount']}, event {amount}", **ids)
         return RecordedCost("PARKED", amount, currency)
     return RecordedCost(status, amount, currency)
 

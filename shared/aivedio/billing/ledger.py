@@ -124,58 +124,74 @@ class Posting:
     ledger_txn_id: UUID = field(default_factory=uuid.uuid4)
 
 
-# Headers, entries and the snapshot in one statement (entries reference their header through a
-# deferred foreign key, checked at commit with the balance trigger).
+# Headers, entries and the snapshots in one statement, for any number of wallets (entries reference
+# their header through a deferred foreign key, checked at commit with the balance trigger).
 APPEND = """
 with txn as (
     insert into ledger_transaction (ledger_txn_id, wallet_id, tenant_id, business_key, event_type, task_id, reservation_id,
                                     reversal_of, reason_code, metadata)
-    select id, %(wallet_id)s, %(tenant_id)s, bk, et, task, res, rev, rc, md
-      from unnest(%(ids)s::uuid[], %(keys)s::text[], %(types)s::text[], %(tasks)s::uuid[], %(reservations)s::uuid[],
-                  %(reversals)s::uuid[], %(reasons)s::text[], %(metadata)s::jsonb[]) as u(id, bk, et, task, res, rev, rc, md)),
+    select * from unnest(%(ids)s::uuid[], %(wallets)s::uuid[], %(tenants)s::uuid[], %(keys)s::text[], %(types)s::text[],
+                         %(tasks)s::uuid[], %(reservations)s::uuid[], %(reversals)s::uuid[], %(reasons)s::text[],
+                         %(metadata)s::jsonb[])),
 entries as (
     insert into ledger_entry (ledger_txn_id, wallet_id, tenant_id, lot_id, bucket, amount_delta, unit_code)
-    select t, %(wallet_id)s, %(tenant_id)s, l, b, a, %(unit)s
-      from unnest(%(txns)s::uuid[], %(lots)s::uuid[], %(buckets)s::text[], %(amounts)s::bigint[]) as u(t, l, b, a))
-update wallet_account
-   set available_amount = available_amount + %(available_amount)s, reserved_amount = reserved_amount + %(reserved_amount)s,
-       consumed_amount = consumed_amount + %(consumed_amount)s, version = version + 1, updated_at = now()
- where wallet_id = %(wallet_id)s
+    select * from unnest(%(txns)s::uuid[], %(e_wallets)s::uuid[], %(e_tenants)s::uuid[], %(lots)s::uuid[], %(buckets)s::text[],
+                         %(amounts)s::bigint[], %(units)s::text[]))
+update wallet_account w
+   set available_amount = w.available_amount + d.available, reserved_amount = w.reserved_amount + d.reserved,
+       consumed_amount = w.consumed_amount + d.consumed, version = w.version + 1, updated_at = now()
+  from unnest(%(d_wallets)s::uuid[], %(d_available)s::bigint[], %(d_reserved)s::bigint[], %(d_consumed)s::bigint[])
+       as d(wallet_id, available, reserved, consumed)
+ where w.wallet_id = d.wallet_id
 """
 
 
-def append(conn: psycopg.Connection, *, wallet: dict, postings: Iterable[Posting]) -> list[UUID]:
-    """Append several balanced transactions and move the snapshot once, in one statement that
+def append(conn: psycopg.Connection, *, wallet: dict | None = None, postings: Iterable[Posting] = (),
+           by_wallet: Iterable[tuple[dict, Iterable[Posting]]] = ()) -> list[UUID]:
+    """Append balanced transactions, to one wallet (`wallet`, `postings`) or to several
+    (`by_wallet`: (wallet, postings) pairs), and move each snapshot once, in one statement that
     needs no answer (so it travels in a pipeline). For hot paths whose caller has already made sure,
-    under the wallet lock, that the business keys are new (settlement's finalized snapshot): a key
+    under the wallet locks, that the business keys are new (settlement's finalized snapshot): a key
     that exists anyway raises UniqueViolation instead of being skipped, and the whole transaction
     rolls back. Everyone else uses post(), which returns the existing transaction."""
-    postings = [p for p in postings if any(e.amount_delta for e in p.entries)]
-    if not postings:
+    groups = [(wallet, list(postings))] if wallet is not None else []
+    groups += [(w, list(ps)) for w, ps in by_wallet]
+    cols: dict[str, list] = {k: [] for k in ("ids", "wallets", "tenants", "keys", "types", "tasks", "reservations", "reversals",
+                                             "reasons", "metadata", "txns", "e_wallets", "e_tenants", "lots", "buckets",
+                                             "amounts", "units")}
+    deltas: dict[UUID, dict[str, int]] = {}
+    wallets: dict[UUID, dict] = {}
+    out: list[UUID] = []
+    for w, ps in groups:
+        for p in ps:
+            entries = [e for e in p.entries if e.amount_delta != 0]
+            if not entries:
+                continue
+            if sum(e.amount_delta for e in entries) != 0:
+                raise UnbalancedTransaction(f"{p.event_type} {p.business_key}: entries sum to {sum(e.amount_delta for e in entries)}")
+            wid = w["wallet_id"]
+            wallets[wid] = w
+            d = deltas.setdefault(wid, {col: 0 for col in SNAPSHOT_COLUMNS.values()})
+            for k, v in (("ids", p.ledger_txn_id), ("wallets", wid), ("tenants", w["tenant_id"]), ("keys", p.business_key),
+                         ("types", p.event_type), ("tasks", p.task_id), ("reservations", p.reservation_id),
+                         ("reversals", p.reversal_of), ("reasons", p.reason_code), ("metadata", json.dumps(p.metadata or {}))):
+                cols[k].append(v)
+            for e in entries:
+                for k, v in (("txns", p.ledger_txn_id), ("e_wallets", wid), ("e_tenants", w["tenant_id"]), ("lots", e.lot_id),
+                             ("buckets", e.bucket), ("amounts", e.amount_delta), ("units", w["unit_code"])):
+                    cols[k].append(v)
+                if e.bucket in SNAPSHOT_COLUMNS:
+                    d[SNAPSHOT_COLUMNS[e.bucket]] += e.amount_delta
+            out.append(p.ledger_txn_id)
+    if not out:
         return []
-    deltas = {col: 0 for col in SNAPSHOT_COLUMNS.values()}
-    txns, lots, buckets, amounts = [], [], [], []
-    for p in postings:
-        entries = [e for e in p.entries if e.amount_delta != 0]
-        if sum(e.amount_delta for e in entries) != 0:
-            raise UnbalancedTransaction(f"{p.event_type} {p.business_key}: entries sum to {sum(e.amount_delta for e in entries)}")
-        for e in entries:
-            txns.append(p.ledger_txn_id)
-            lots.append(e.lot_id)
-            buckets.append(e.bucket)
-            amounts.append(e.amount_delta)
-            if e.bucket in SNAPSHOT_COLUMNS:
-                deltas[SNAPSHOT_COLUMNS[e.bucket]] += e.amount_delta
-    conn.execute(APPEND, {
-        "wallet_id": wallet["wallet_id"], "tenant_id": wallet["tenant_id"], "unit": wallet["unit_code"],
-        "ids": [p.ledger_txn_id for p in postings], "keys": [p.business_key for p in postings],
-        "types": [p.event_type for p in postings], "tasks": [p.task_id for p in postings],
-        "reservations": [p.reservation_id for p in postings], "reversals": [p.reversal_of for p in postings],
-        "reasons": [p.reason_code for p in postings], "metadata": [json.dumps(p.metadata or {}) for p in postings],
-        "txns": txns, "lots": lots, "buckets": buckets, "amounts": amounts, **deltas})
-    for col, d in deltas.items():
-        wallet[col] = wallet[col] + d
-    return [p.ledger_txn_id for p in postings]
+    conn.execute(APPEND, {**cols, "d_wallets": list(deltas), "d_available": [d["available_amount"] for d in deltas.values()],
+                          "d_reserved": [d["reserved_amount"] for d in deltas.values()],
+                          "d_consumed": [d["consumed_amount"] for d in deltas.values()]})
+    for wid, d in deltas.items():
+        for col, v in d.items():
+            wallets[wid][col] += v
+    return out
 
 
 def ledger_aggregate(conn: psycopg.Connection, wallet_id: UUID) -> dict[str, int]:

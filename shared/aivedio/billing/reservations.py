@@ -3,6 +3,7 @@ more, SETTLE of what is charged and RELEASE of the rest, each across the credit 
 reservation drew from. Settlement (aivedio.billing.settlement) decides the amounts; these move them."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from uuid import UUID
 
@@ -79,28 +80,33 @@ def open_allocations(conn: psycopg.Connection, reservation_id: UUID) -> list[dic
     ).fetchall()
 
 
-# Both sides of a lot movement in one statement: the lot's parts and the reservation's allocation.
+# Both sides of lot movements in one statement: each allocation's part, and each lot's total (a lot
+# that several reservations of the batch drew from appears once in `lots`, with the sums).
 APPLY_TO_LOTS = """
-with parts as (select * from unnest(%(lots)s::uuid[], %(settled)s::bigint[], %(released)s::bigint[]) as u(lot_id, s, r)),
+with parts as (select * from unnest(%(a_reservations)s::uuid[], %(a_lots)s::uuid[], %(a_settled)s::bigint[],
+                                    %(a_released)s::bigint[]) as u(reservation_id, lot_id, s, r)),
 allocations as (
     update reservation_allocation a
        set settled_amount = a.settled_amount + parts.s, released_amount = a.released_amount + parts.r
-      from parts where a.reservation_id = %(reservation_id)s and a.lot_id = parts.lot_id)
+      from parts where a.reservation_id = parts.reservation_id and a.lot_id = parts.lot_id)
 update credit_lot l
-   set reserved_amount = l.reserved_amount - parts.s - parts.r, remaining_amount = l.remaining_amount + parts.r
-  from parts where l.lot_id = parts.lot_id
+   set reserved_amount = l.reserved_amount - totals.s - totals.r, remaining_amount = l.remaining_amount + totals.r
+  from unnest(%(lots)s::uuid[], %(settled)s::bigint[], %(released)s::bigint[]) as totals(lot_id, s, r)
+ where l.lot_id = totals.lot_id
 """
 
 RECORD_SETTLEMENT_ALLOCATION = """
 insert into settlement_allocation (ledger_txn_id, lot_id, tenant_id, amount)
-select %(txn)s, l, %(tenant_id)s, a from unnest(%(lots)s::uuid[], %(amounts)s::bigint[]) as u(l, a)
+select * from unnest(%(txns)s::uuid[], %(lots)s::uuid[], %(tenants)s::uuid[], %(amounts)s::bigint[])
 """
 
-CLOSE_RESERVATION = """
-update credit_reservation
-   set settled_amount = settled_amount + %(settled)s, released_amount = released_amount + %(released)s, state = %(state)s,
-       version = version + 1, updated_at = now()
- where reservation_id = %(reservation_id)s
+CLOSE_RESERVATIONS = """
+update credit_reservation r
+   set settled_amount = r.settled_amount + c.settled, released_amount = r.released_amount + c.released, state = c.state,
+       version = r.version + 1, updated_at = now()
+  from unnest(%(reservations)s::uuid[], %(settled)s::bigint[], %(released)s::bigint[], %(states)s::text[])
+       as c(reservation_id, settled, released, state)
+ where r.reservation_id = c.reservation_id
 """
 
 
@@ -122,20 +128,30 @@ def split(allocations: list[dict], amount: int) -> tuple[list[tuple[UUID, int]],
     return settle, release
 
 
-def _apply_to_lots(conn: psycopg.Connection, reservation_id: UUID, settled: list[tuple[UUID, int]],
-                   released: list[tuple[UUID, int]]) -> None:
+def _apply_to_lots(conn: psycopg.Connection, moves: list[tuple[UUID, list[tuple[UUID, int]], list[tuple[UUID, int]]]]) -> None:
     """Settled credit leaves its lot; released credit goes back to its lot's spendable part (the
-    lot's expiry never changes). One statement each for the lots and the allocations."""
-    per: dict[UUID, list[int]] = {}
-    for lot_id, part in settled:
-        per.setdefault(lot_id, [0, 0])[0] += part
-    for lot_id, part in released:
-        per.setdefault(lot_id, [0, 0])[1] += part
-    if not per:
+    lot's expiry never changes). `moves` are (reservation_id, settled parts, released parts); one
+    statement for all of them."""
+    per_allocation: dict[tuple[UUID, UUID], list[int]] = {}
+    per_lot: dict[UUID, list[int]] = {}
+    for reservation_id, settled, released in moves:
+        for col, parts in ((0, settled), (1, released)):
+            for lot_id, part in parts:
+                per_allocation.setdefault((reservation_id, lot_id), [0, 0])[col] += part
+                per_lot.setdefault(lot_id, [0, 0])[col] += part
+    if not per_lot:
         return
-    args = {"lots": list(per), "settled": [v[0] for v in per.values()], "released": [v[1] for v in per.values()],
-            "reservation_id": reservation_id}
-    conn.execute(APPLY_TO_LOTS, args)
+    conn.execute(APPLY_TO_LOTS, {
+        "a_reservations": [k[0] for k in per_allocation], "a_lots": [k[1] for k in per_allocation],
+        "a_settled": [v[0] for v in per_allocation.values()], "a_released": [v[1] for v in per_allocation.values()],
+        "lots": list(per_lot), "settled": [v[0] for v in per_lot.values()], "released": [v[1] for v in per_lot.values()]})
+
+
+def _close_reservations(conn: psycopg.Connection, rows: list[tuple[UUID, int, int, str]]) -> None:
+    """(reservation_id, settled, released, new state) for each reservation, in one statement."""
+    if rows:
+        conn.execute(CLOSE_RESERVATIONS, {"reservations": [r[0] for r in rows], "settled": [r[1] for r in rows],
+                                          "released": [r[2] for r in rows], "states": [r[3] for r in rows]})
 
 
 def release_remaining(conn: psycopg.Connection, *, wallet: dict, task_id: UUID, reason_code: str) -> Posted | None:
@@ -154,46 +170,68 @@ def release_remaining(conn: psycopg.Connection, *, wallet: dict, task_id: UUID, 
                   task_id=task_id, reservation_id=r["reservation_id"], reason_code=reason_code)
     if not posted.created:
         return posted
-    _apply_to_lots(conn, r["reservation_id"], [], parts)
-    conn.execute(CLOSE_RESERVATION, {"settled": 0, "released": open_amount, "reservation_id": r["reservation_id"],
-                                     "state": "RELEASED" if r["settled_amount"] == 0 else "SETTLED"})
+    _apply_to_lots(conn, [(r["reservation_id"], [], parts)])
+    _close_reservations(conn, [(r["reservation_id"], 0, open_amount, "RELEASED" if r["settled_amount"] == 0 else "SETTLED")])
     return posted
 
 
-def close(conn: psycopg.Connection, *, wallet: dict, reservation: dict, allocations: list[dict], amount: int, settle_key: str,
-          release_key: str, reason_code: str, release_reason: str, metadata: dict | None = None) -> UUID | None:
-    """Settlement's money movement, in one go: SETTLE `amount` of the open reservation
-    (RESERVED -> CONSUMED) from its lots in spending order, recorded per lot in
-    settlement_allocation so a refund can find them, and RELEASE the rest (RESERVED -> AVAILABLE)
-    back to its original lots. Every statement is fire-and-forget (pipeline friendly); the ledger
-    keys must be new (ledger.append). Returns the SETTLE transaction's id, or None for no charge.
-    The caller holds the wallet lock and has checked that the reservation is still open."""
-    r = reservation
-    open_amount = r["reserved_amount"] - r["settled_amount"] - r["released_amount"]
-    if not 0 <= amount <= open_amount:
-        raise ValueError(f"settle {amount} of an open reservation of {open_amount}")
-    settled, released = split(allocations, amount)
-    release_amount = open_amount - amount
-    postings = []
-    if amount:
-        postings.append(Posting(settle_key, "SETTLE", tuple(_pairs(settled, amount, debit="RESERVED", credit="CONSUMED")),
-                                task_id=r["task_id"], reservation_id=r["reservation_id"], reason_code=reason_code,
-                                metadata=metadata))
-    if release_amount:
-        postings.append(Posting(release_key, "RELEASE", tuple(_pairs(released, release_amount, debit="RESERVED", credit="AVAILABLE")),
-                                task_id=r["task_id"], reservation_id=r["reservation_id"], reason_code=release_reason))
-    append(conn, wallet=wallet, postings=postings)
-    _apply_to_lots(conn, r["reservation_id"], settled, released)
-    settle_txn = postings[0].ledger_txn_id if amount else None
-    if settle_txn is not None and settled:
-        conn.execute(RECORD_SETTLEMENT_ALLOCATION, {"txn": settle_txn, "tenant_id": wallet["tenant_id"],
-                                                    "lots": [lot for lot, _ in settled], "amounts": [a for _, a in settled]})
-    r["settled_amount"] += amount
-    r["released_amount"] += release_amount
-    r["state"] = "SETTLED" if r["settled_amount"] else "RELEASED"
-    conn.execute(CLOSE_RESERVATION, {"settled": amount, "released": release_amount, "state": r["state"],
-                                     "reservation_id": r["reservation_id"]})
-    return settle_txn
+@dataclass
+class Closing:
+    """One reservation to close: SETTLE `amount` and RELEASE the rest. `reservation` and
+    `allocations` as settlement loaded them (allocations open and in spending order)."""
+
+    wallet: dict
+    reservation: dict
+    allocations: list[dict]
+    amount: int
+    settle_key: str
+    release_key: str
+    reason_code: str
+    release_reason: str
+    metadata: dict | None = None
+    settle_txn_id: UUID | None = None  # set by close_many
+
+
+def close_many(conn: psycopg.Connection, closings: list[Closing]) -> None:
+    """Settlement's money movement, for any number of reservations in a handful of statements: for
+    each, SETTLE `amount` of the open reservation (RESERVED -> CONSUMED) from its lots in spending
+    order, recorded per lot in settlement_allocation so a refund can find them, and RELEASE the rest
+    (RESERVED -> AVAILABLE) back to its original lots. Every statement is fire-and-forget (pipeline
+    friendly); the ledger keys must be new (ledger.append). Sets each closing's settle_txn_id (None
+    for no charge) and updates the reservation and wallet dicts in place. The caller holds the
+    wallet locks and has checked that the reservations are still open."""
+    by_wallet: dict[UUID, tuple[dict, list[Posting]]] = {}
+    moves, closed, recorded = [], [], []
+    for c in closings:
+        r = c.reservation
+        open_amount = r["reserved_amount"] - r["settled_amount"] - r["released_amount"]
+        if not 0 <= c.amount <= open_amount:
+            raise ValueError(f"settle {c.amount} of an open reservation of {open_amount}")
+        settled, released = split(c.allocations, c.amount)
+        release_amount = open_amount - c.amount
+        postings = by_wallet.setdefault(c.wallet["wallet_id"], (c.wallet, []))[1]
+        if c.amount:
+            posting = Posting(c.settle_key, "SETTLE", tuple(_pairs(settled, c.amount, debit="RESERVED", credit="CONSUMED")),
+                              task_id=r["task_id"], reservation_id=r["reservation_id"], reason_code=c.reason_code,
+                              metadata=c.metadata)
+            postings.append(posting)
+            c.settle_txn_id = posting.ledger_txn_id
+            recorded += [(posting.ledger_txn_id, lot, c.wallet["tenant_id"], part) for lot, part in settled]
+        if release_amount:
+            postings.append(Posting(c.release_key, "RELEASE",
+                                    tuple(_pairs(released, release_amount, debit="RESERVED", credit="AVAILABLE")),
+                                    task_id=r["task_id"], reservation_id=r["reservation_id"], reason_code=c.release_reason))
+        moves.append((r["reservation_id"], settled, released))
+        r["settled_amount"] += c.amount
+        r["released_amount"] += release_amount
+        r["state"] = "SETTLED" if r["settled_amount"] else "RELEASED"
+        closed.append((r["reservation_id"], c.amount, release_amount, r["state"]))
+    append(conn, by_wallet=by_wallet.values())
+    _apply_to_lots(conn, moves)
+    if recorded:
+        conn.execute(RECORD_SETTLEMENT_ALLOCATION, {"txns": [x[0] for x in recorded], "lots": [x[1] for x in recorded],
+                                                    "tenants": [x[2] for x in recorded], "amounts": [x[3] for x in recorded]})
+    _close_reservations(conn, closed)
 
 
 def top_up(conn: psycopg.Connection, *, wallet: dict, reservation: dict, amount: int, business_key: str,

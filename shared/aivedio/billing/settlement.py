@@ -1,6 +1,7 @@
 """Settlement (ch. 20.6.4 to 20.6.6, 20.7.1, 20.7.5, 20.7.8): the consumer of terminal events.
 
-`settle()` applies one TaskSucceeded, TaskFailed or TaskCancelled event in ONE transaction:
+`settle()` applies one TaskSucceeded, TaskFailed or TaskCancelled event in ONE transaction, and
+`settle_many()` a batch of them (the same effects, with set-based statements):
 
 1. lock the wallet (the lock order of every balance change; every writer of a task's charge,
    reservation and allocations holds it), then read the charge snapshot and the reservation;
@@ -29,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 from uuid import UUID
 
 import psycopg
@@ -37,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aivedio import outbox
 from aivedio.billing import budgets, costs, lots, parked, policies, refunds
-from aivedio.billing.reservations import close, top_up
+from aivedio.billing.reservations import Closing, close_many, top_up
 from aivedio.db.pool import in_transaction
 from aivedio.observability import logger, metrics
 
@@ -89,17 +90,28 @@ class Settlement:
     settle_ledger_txn_id: UUID | None = None
 
 
-# The three reads travel together in one round trip. In READ COMMITTED each statement takes a new
-# snapshot, so the charge and reservation are read after the wallet lock is granted: never a version
-# from before a concurrent settlement of the same task committed. Every writer of a task's charge,
-# reservation and allocations holds its wallet's lock, so under that lock they are stable.
-LOCK_WALLET_OF_TASK = """
+@dataclass(frozen=True)
+class Terminal:
+    """One delivery of a terminal event, as settle_many() takes them."""
+
+    payload: dict[str, Any]
+    event_type: str | None = None
+    event_id: UUID | str | None = None
+
+
+# The two reads travel together in one round trip. In READ COMMITTED each statement takes a new
+# snapshot, so the charges and reservations are read after the wallet locks are granted: never a
+# version from before a concurrent settlement of the same task committed. Every writer of a task's
+# charge, reservation and allocations holds its wallet's lock, so under that lock they are stable.
+# The wallets are locked in one order (wallet_id) by every multi-wallet writer: no deadlock.
+LOCK_WALLETS_OF_TASKS = """
 select w.* from wallet_account w
- where w.wallet_id = (select wallet_id from credit_reservation where task_id = %(task_id)s)
-   for update
+ where w.wallet_id in (select wallet_id from credit_reservation where task_id = any(%(task_ids)s::uuid[]))
+ order by w.wallet_id
+   for update of w
 """
 
-LOAD_CHARGE = f"""
+LOAD_CHARGES = f"""
 select c.price_version_id, c.normalized_params, c.quoted_amount, c.charge_policy_code, c.charge_version, c.finalized_at,
        c.final_charge_amount, c.settled_outcome, c.settle_reason, c.settle_ledger_txn_id,
        p.rules -> 'models' -> (c.normalized_params ->> 'model') as model_rules, p.currency_or_unit as price_unit,
@@ -111,11 +123,11 @@ select c.price_version_id, c.normalized_params, c.quoted_amount, c.charge_policy
                   where a.reservation_id = r.reservation_id and a.amount - a.settled_amount - a.released_amount > 0),
                 '[]'::json) as allocations,
        exists (select 1 from refund_request f where f.task_id = c.task_id and f.state = 'PENDING_SETTLEMENT') as refunds_pending,
-       exists (select 1 from budget_reservation b where b.attempt_id = %(attempt_id)s and b.state = 'ACTIVE') as budget_active
-  from generation_charge c
+       exists (select 1 from budget_reservation b where b.attempt_id = ev.attempt_id and b.state = 'ACTIVE') as budget_active
+  from unnest(%(task_ids)s::uuid[], %(attempt_ids)s::uuid[]) as ev(task_id, attempt_id)
+  join generation_charge c on c.task_id = ev.task_id
   join credit_reservation r on r.task_id = c.task_id
   join price_book p on p.price_version_id = c.price_version_id
- where c.task_id = %(task_id)s
 """
 
 # Only when the fast path finds nothing: which of the task, its reservation or its charge is missing.
@@ -127,44 +139,116 @@ select t.tenant_id, r.wallet_id, c.task_id as charge_task
  where t.task_id = %s
 """
 
-FINALIZE_CHARGE = """
-update generation_charge
-   set final_charge_amount = %(amount)s, finalized_at = %(now)s, settled_outcome = %(outcome)s, settle_reason = %(reason)s,
-       settle_ledger_txn_id = %(txn)s, absorbed_amount = %(absorbed)s, delivered_seconds = %(seconds)s,
-       settled_attempt_id = %(attempt_id)s
- where task_id = %(task_id)s and finalized_at is null
+FINALIZE_CHARGES = """
+update generation_charge g
+   set final_charge_amount = f.amount, finalized_at = %(now)s, settled_outcome = f.outcome, settle_reason = f.reason,
+       settle_ledger_txn_id = f.txn, absorbed_amount = f.absorbed, delivered_seconds = f.seconds, settled_attempt_id = f.attempt_id
+  from unnest(%(tasks)s::uuid[], %(amounts)s::bigint[], %(outcomes)s::text[], %(reasons)s::text[], %(txns)s::uuid[],
+              %(absorbed)s::bigint[], %(seconds)s::int[], %(attempts)s::uuid[])
+       as f(task_id, amount, outcome, reason, txn, absorbed, seconds, attempt_id)
+ where g.task_id = f.task_id and g.finalized_at is null
 """
+
+
+@dataclass
+class _Plan:
+    """One event that settles: what settle_many_in decided for it, before the bulk writes."""
+
+    index: int
+    ev: TerminalEvent
+    item: Terminal
+    state: str
+    outcome_key: str
+    charge: dict
+    wallet: dict
+    decision: policies.ChargeDecision
+    closing: Closing
+    open_before: int
 
 
 def settle(conn: psycopg.Connection, payload: dict[str, Any], now: datetime, *, event_type: str | None = None,
            event_id: UUID | str | None = None) -> Settlement:
-    """Apply one terminal event, in one transaction (retried whole on serialization failure or
-    deadlock). Safe to call any number of times for the same event, concurrently too. The
-    statements travel in a pipeline: about three round trips per settlement."""
+    """Apply one terminal event, in one transaction (settle_many of one)."""
+    return settle_many(conn, [Terminal(payload, event_type, event_id)], now)[0]
+
+
+def settle_many(conn: psycopg.Connection, items: list[Terminal], now: datetime) -> list[Settlement]:
+    """Apply terminal events (an SQS batch, say) in ONE transaction, retried whole on serialization
+    failure or deadlock: the same effect as one transaction each, in a handful of statements that
+    travel in a pipeline, about three round trips in all. Safe to call any number of times for the
+    same events, concurrently too. A failure rolls them all back: the caller may then settle them
+    one by one to learn which one fails."""
     with conn.pipeline():
-        return in_transaction(conn, lambda c: settle_in(c, payload, now, event_type=event_type, event_id=event_id))
+        return in_transaction(conn, lambda c: settle_many_in(c, items, now))
 
 
 def settle_in(conn: psycopg.Connection, payload: dict[str, Any], now: datetime, *, event_type: str | None = None,
               event_id: UUID | str | None = None) -> Settlement:
     """settle() inside the caller's transaction."""
-    ids: dict[str, Any] = {"payload": payload, "event_type": event_type, "event_id": event_id}
-    try:
-        ev = TerminalEvent.model_validate(payload)
-    except ValidationError as e:
-        return _park(conn, "MALFORMED_EVENT", detail=str(e).splitlines()[0], task_id=payload.get("task_id"), **ids)
-    task_id = ev.task_id
-    # One round trip: the wallet lock and the locked snapshot. No processed_event row is needed: the
-    # finalized snapshot (and behind it the ledger's business keys) makes a redelivery a no-op.
-    wallet_cur = conn.execute(LOCK_WALLET_OF_TASK, {"task_id": task_id})
-    charge_cur = conn.execute(LOAD_CHARGE, {"task_id": task_id, "attempt_id": ev.attempt_id})
-    wallet, charge = wallet_cur.fetchone(), charge_cur.fetchone()
-    ids.update(task_id=task_id, attempt_id=ev.attempt_id)
-    state = ev.state or EVENT_STATES.get(event_type or "")
-    if state is None or (event_type in EVENT_STATES and EVENT_STATES[event_type] != state):
-        return _park(conn, "MALFORMED_EVENT", detail=f"event {event_type} with state {ev.state}", tenant_id=ev.tenant_id, **ids)
-    outcome_key = f"{state}/{ev.stage}"
+    return settle_many_in(conn, [Terminal(payload, event_type, event_id)], now)[0]
 
+
+def settle_many_in(conn: psycopg.Connection, items: list[Terminal], now: datetime) -> list[Settlement]:
+    """settle_many() inside the caller's transaction. Results are in the order of `items`."""
+    results: list[Settlement | None] = [None] * len(items)
+    valid: list[tuple[int, TerminalEvent, str]] = []
+    again: list[int] = []  # a second delivery of a task already in this batch: settled after the first
+    seen: set[UUID] = set()
+    for i, item in enumerate(items):
+        ids = _ids(item)
+        try:
+            ev = TerminalEvent.model_validate(item.payload)
+        except ValidationError as e:
+            results[i] = _park(conn, "MALFORMED_EVENT", detail=str(e).splitlines()[0], task_id=item.payload.get("task_id"), **ids)
+            continue
+        state = ev.state or EVENT_STATES.get(item.event_type or "")
+        if state is None or (item.event_type in EVENT_STATES and EVENT_STATES[item.event_type] != state):
+            results[i] = _park(conn, "MALFORMED_EVENT", detail=f"event {item.event_type} with state {ev.state}",
+                               tenant_id=ev.tenant_id, task_id=ev.task_id, attempt_id=ev.attempt_id, **ids)
+            continue
+        if ev.task_id in seen:
+            again.append(i)
+            continue
+        seen.add(ev.task_id)
+        valid.append((i, ev, state))
+
+    plans: list[_Plan] = []
+
+    def write_planned() -> None:
+        if plans:
+            _write(conn, plans, results, now)
+            plans.clear()
+
+    if valid:
+        # One round trip: the wallet locks and the locked snapshots.
+        args = {"task_ids": [ev.task_id for _, ev, _ in valid], "attempt_ids": [ev.attempt_id for _, ev, _ in valid]}
+        wallet_cur = conn.execute(LOCK_WALLETS_OF_TASKS, args)
+        charge_cur = conn.execute(LOAD_CHARGES, args)
+        wallets = {w["wallet_id"]: w for w in wallet_cur.fetchall()}
+        charges = {c["task_id"]: c for c in charge_cur.fetchall()}
+        for i, ev, state in valid:
+            plan_or_result = _plan(conn, i, items[i], ev, state, charges.get(ev.task_id), wallets, now,
+                                   before_top_up=write_planned)
+            if isinstance(plan_or_result, Settlement):
+                results[i] = plan_or_result
+            else:
+                plans.append(plan_or_result)
+    write_planned()
+    if again:  # they now find the first delivery's finalized snapshot, as a redelivery would
+        for i, s in zip(again, settle_many_in(conn, [items[i] for i in again], now)):
+            results[i] = s
+    return results  # type: ignore[return-value]
+
+
+def _plan(conn: psycopg.Connection, i: int, item: Terminal, ev: TerminalEvent, state: str, charge: dict | None,
+          wallets: dict[UUID, dict], now: datetime, *, before_top_up: Callable[[], None]) -> _Plan | Settlement:
+    """The checks and the charge decision of one event, or its parked or replayed result. A top-up
+    (a POSTPAID excess) is written here, after the settlements planned before it (whose releases it
+    may need: the wallet's credit limit is checked by the database on every write)."""
+    task_id = ev.task_id
+    ids = {**_ids(item), "task_id": task_id, "attempt_id": ev.attempt_id}
+    outcome_key = f"{state}/{ev.stage}"
+    wallet = wallets.get(charge["wallet_id"]) if charge is not None else None
     if wallet is None or charge is None:
         found = conn.execute(DIAGNOSE, (task_id,)).fetchone()
         if found is None:
@@ -193,6 +277,7 @@ def settle_in(conn: psycopg.Connection, payload: dict[str, Any], now: datetime, 
     r = {k: charge[k] for k in ("reservation_id", "wallet_id", "tenant_id", "task_id", "reserved_amount", "settled_amount",
                                 "released_amount", "refunded_amount", "state")}
     allocations = [{"lot_id": UUID(a["lot_id"]), "open": a["open"]} for a in charge["allocations"]]
+    # The wallet dict moves with every settlement planned before this one: the headroom is current.
     headroom = wallet["available_amount"] + (wallet["credit_limit_amount"] if wallet["account_type"] == "POSTPAID" else 0)
     snapshot = policies.ChargeSnapshot(
         policy_code=charge["charge_policy_code"], quoted_amount=charge["quoted_amount"],
@@ -207,53 +292,88 @@ def settle_in(conn: psycopg.Connection, payload: dict[str, Any], now: datetime, 
 
     version = charge["charge_version"]
     if decision.top_up:
+        before_top_up()
         top_up(conn, wallet=wallet, reservation=r, amount=decision.top_up,
-               business_key=f"reserve:generation:{task_id}:topup:settle:{version}", now=now)
+               business_key=f"reserve:generation:{task_id}:topup:settle:{version}", now=now)  # POSTPAID: no lots
     open_before = r["reserved_amount"] - r["settled_amount"] - r["released_amount"]
-    settle_txn = close(
-        conn, wallet=wallet, reservation=r, allocations=allocations, amount=decision.amount,
+    closing = Closing(
+        wallet=wallet, reservation=r, allocations=allocations, amount=decision.amount,
         settle_key=f"settle:generation:{task_id}:{version}", release_key=f"release:generation:{task_id}:SETTLED_{state}",
         reason_code=decision.reason_code, release_reason=f"SETTLED_{state}",
         metadata={"policy": decision.policy, "rule": decision.rule, "uncapped": decision.uncapped, "absorbed": decision.absorbed,
                   "price_version_id": str(charge["price_version_id"]), "attempt_id": str(ev.attempt_id) if ev.attempt_id else None,
                   "outcome": outcome_key, "notes": list(decision.notes)})
-    conn.execute(FINALIZE_CHARGE, {"amount": decision.amount, "now": now, "outcome": outcome_key, "reason": decision.reason_code,
-                                   "txn": settle_txn, "absorbed": decision.absorbed,
-                                   "seconds": ev.output_seconds if state == "SUCCEEDED" else 0, "attempt_id": ev.attempt_id,
-                                   "task_id": task_id})
-    applied = rejected = 0
-    if charge["refunds_pending"]:
-        applied, rejected = refunds.apply_pending(conn, wallet=wallet, reservation=r, settle_txn_id=settle_txn, now=now)
-    released = open_before - decision.amount
-    outbox.write_event(conn, SETTLED_EVENT, aggregate_type="generation_task", aggregate_id=task_id, tenant_id=tenant_id,
-                       payload={"task_id": str(task_id), "tenant_id": str(tenant_id), "outcome": outcome_key,
-                                "charged": decision.amount, "released": released, "absorbed": decision.absorbed,
-                                "policy": decision.policy, "reason_code": decision.reason_code,
-                                "settle_ledger_txn_id": str(settle_txn) if settle_txn else None,
-                                "refunds_applied": applied, "refunds_rejected": rejected})
-    if charge["budget_active"]:  # a spend budget was reserved for this attempt
-        if ev.usage is not None and ev.usage.cost_amount is not None and ev.usage.currency:
-            budgets.settle_attempt(conn, attempt_id=ev.attempt_id, actual=ev.usage.cost_amount, currency=ev.usage.currency, now=now)
-        elif not ev.provider_charged:
-            budgets.release_attempt(conn, attempt_id=ev.attempt_id, now=now)
-        # billed with an unknown cost: the budget stays reserved until reconciliation knows the cost
-    # Last, as it is the one write that awaits an answer: the provider's cost, apart from the price.
-    cost = costs.record_provider_cost(
-        conn, payload=payload, state=state, stage=ev.stage, tenant_id=tenant_id, task_id=task_id,
-        attempt_id=ev.attempt_id, provider=ev.provider, provider_account=ev.provider_account,
-        provider_job_id=ev.provider_job_id, charge_id=ev.charge_id, provider_charged=ev.provider_charged,
-        usage=ev.usage, occurred_at=ev.finished_at or now, event_type=event_type, event_id=event_id)
+    # Planned now, so the next event of the same wallet sees this one's effect on the balance.
+    _preview(wallet, open_before, decision.amount)
+    return _Plan(i, ev, item, state, outcome_key, charge, wallet, decision, closing, open_before)
 
-    metrics.add("settlement.settled", outcome=state)
-    if decision.absorbed:
-        metrics.add("settlement.absorbed_credits", decision.absorbed)
-    logger.info("task settled", extra={"tenant_id": str(tenant_id), "task_id": str(task_id),
-                                       "attempt_id": str(ev.attempt_id) if ev.attempt_id else None, "outcome": outcome_key,
-                                       "charged": decision.amount, "released": released, "absorbed": decision.absorbed,
-                                       "policy": decision.policy, "cost": cost.status})
-    return Settlement("SETTLED", task_id, charged=decision.amount, released=released, absorbed=decision.absorbed,
-                      reason_code=decision.reason_code, refunds_applied=applied, refunds_rejected=rejected,
-                      settle_ledger_txn_id=settle_txn)
+
+def _preview(wallet: dict, open_before: int, amount: int) -> None:
+    """Move the wallet dict as close_many will (which moves it again from the real postings; this
+    preview is undone in _write first)."""
+    wallet["available_amount"] += open_before - amount
+    wallet["reserved_amount"] -= open_before
+    wallet["consumed_amount"] += amount
+
+
+def _write(conn: psycopg.Connection, plans: list[_Plan], results: list, now: datetime) -> None:
+    """The bulk writes of the planned settlements, then what is rare and per event (refunds waiting
+    for this settlement, spend budgets), then the provider costs, which await one answer."""
+    for p in plans:  # close_many moves the wallet dicts itself
+        _preview(p.wallet, -p.open_before, -p.decision.amount)
+    close_many(conn, [p.closing for p in plans])
+    conn.execute(FINALIZE_CHARGES, {
+        "now": now, "tasks": [p.ev.task_id for p in plans], "amounts": [p.decision.amount for p in plans],
+        "outcomes": [p.outcome_key for p in plans], "reasons": [p.decision.reason_code for p in plans],
+        "txns": [p.closing.settle_txn_id for p in plans], "absorbed": [p.decision.absorbed for p in plans],
+        "seconds": [p.ev.output_seconds if p.state == "SUCCEEDED" else 0 for p in plans],
+        "attempts": [p.ev.attempt_id for p in plans]})
+    refunds_done: dict[int, tuple[int, int]] = {}
+    for p in plans:
+        if p.charge["refunds_pending"]:
+            refunds_done[p.index] = refunds.apply_pending(conn, wallet=p.wallet, reservation=p.closing.reservation,
+                                                          settle_txn_id=p.closing.settle_txn_id, now=now)
+        if p.charge["budget_active"]:  # a spend budget was reserved for this attempt
+            usage = p.ev.usage
+            if usage is not None and usage.cost_amount is not None and usage.currency:
+                budgets.settle_attempt(conn, attempt_id=p.ev.attempt_id, actual=usage.cost_amount, currency=usage.currency, now=now)
+            elif not p.ev.provider_charged:
+                budgets.release_attempt(conn, attempt_id=p.ev.attempt_id, now=now)
+            # billed with an unknown cost: the budget stays reserved until reconciliation knows the cost
+    events = []
+    for p in plans:
+        applied, rejected = refunds_done.get(p.index, (0, 0))
+        d, tenant_id, txn = p.decision, p.charge["tenant_id"], p.closing.settle_txn_id
+        events.append((p.ev.task_id, tenant_id, {
+            "task_id": str(p.ev.task_id), "tenant_id": str(tenant_id), "outcome": p.outcome_key, "charged": d.amount,
+            "released": p.open_before - d.amount, "absorbed": d.absorbed, "policy": d.policy, "reason_code": d.reason_code,
+            "settle_ledger_txn_id": str(txn) if txn else None, "refunds_applied": applied, "refunds_rejected": rejected}))
+    outbox.write_events(conn, SETTLED_EVENT, aggregate_type="generation_task", events=events)
+    # Last, as it is the one write that awaits an answer: the providers' costs, apart from the price.
+    recorded = costs.record_provider_costs(conn, [
+        costs.CostReport(payload=p.item.payload, state=p.state, stage=p.ev.stage, tenant_id=p.charge["tenant_id"],
+                         task_id=p.ev.task_id, attempt_id=p.ev.attempt_id, provider=p.ev.provider,
+                         provider_account=p.ev.provider_account, provider_job_id=p.ev.provider_job_id, charge_id=p.ev.charge_id,
+                         provider_charged=p.ev.provider_charged, usage=p.ev.usage, occurred_at=p.ev.finished_at or now,
+                         event_type=p.item.event_type, event_id=p.item.event_id) for p in plans])
+    for p, cost in zip(plans, recorded):
+        d, tenant_id = p.decision, p.charge["tenant_id"]
+        applied, rejected = refunds_done.get(p.index, (0, 0))
+        released = p.open_before - d.amount
+        metrics.add("settlement.settled", outcome=p.state)
+        if d.absorbed:
+            metrics.add("settlement.absorbed_credits", d.absorbed)
+        logger.info("task settled", extra={"tenant_id": str(tenant_id), "task_id": str(p.ev.task_id),
+                                           "attempt_id": str(p.ev.attempt_id) if p.ev.attempt_id else None,
+                                           "outcome": p.outcome_key, "charged": d.amount, "released": released,
+                                           "absorbed": d.absorbed, "policy": d.policy, "cost": cost.status})
+        results[p.index] = Settlement("SETTLED", p.ev.task_id, charged=d.amount, released=released, absorbed=d.absorbed,
+                                      reason_code=d.reason_code, refunds_applied=applied, refunds_rejected=rejected,
+                                      settle_ledger_txn_id=p.closing.settle_txn_id)
+
+
+def _ids(item: Terminal) -> dict[str, Any]:
+    return {"payload": item.payload, "event_type": item.event_type, "event_id": item.event_id}
 
 
 def _park(conn: psycopg.Connection, reason: str, *, payload: dict, event_type: str | None, event_id: Any, task_id: Any = None,
