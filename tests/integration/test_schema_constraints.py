@@ -479,36 +479,35 @@ def test_resource_shard_cannot_exceed_capacity_or_go_negative(conn):
     assert got is None
 
 
-def test_one_active_reservation_per_attempt_and_resource(conn):
+def test_one_reservation_per_attempt_and_resource(conn):
     t = make_tenant(conn)
     task = make_task(conn, t)
     attempt = make_attempt(conn, task)
     key = make_shard(conn)
 
-    def reserve(shard_no: int) -> uuid.UUID:
-        return conn.execute(
-            """insert into resource_reservation (task_id, attempt_id, resource_key, shard_no, reserved_units,
-                                                 lease_until, fencing_token)
-               values (%s, %s, %s, %s, 1, now() + interval '5 minutes', 1) returning reservation_id""",
-            (task, attempt, key, shard_no),
-        ).fetchone()["reservation_id"]
-
-    first = reserve(0)
-    with pytest.raises(errors.UniqueViolation) as e:
-        reserve(1)  # another shard of the same resource, still ACTIVE for this attempt
-    assert _constraint(e) == "uq_resource_reservation_active"
-    conn.execute("update resource_reservation set state = 'RELEASED', released_at = now() where reservation_id = %s",
-                 (first,))
-    reserve(1)
-    with pytest.raises(errors.UniqueViolation) as e:
-        reserve(0)  # the released (attempt, resource, shard) row stays unique
-    assert _constraint(e) == "resource_reservation_attempt_shard_key"
-    with pytest.raises(errors.CheckViolation) as e:
+    def reserve(shard_no: int, resource_key: str = key, units: int = 1) -> None:
         conn.execute(
-            """insert into resource_reservation (task_id, attempt_id, resource_key, shard_no, reserved_units,
+            """insert into resource_reservation (task_id, attempt_id, tenant_id, resource_key, shard_no, reserved_units,
                                                  lease_until, fencing_token)
-               values (%s, %s, 'other', 0, 0, now(), 1)""", (task, attempt),
+               values (%s, %s, %s, %s, %s, %s, now() + interval '5 minutes', 1)""",
+            (task, attempt, t["tenant_id"], resource_key, shard_no, units),
         )
+
+    reserve(0)
+    with pytest.raises(errors.UniqueViolation) as e:
+        reserve(1)  # another shard of the same resource for the same attempt
+    assert _constraint(e) == "resource_reservation_pkey"
+    conn.execute("update resource_reservation set state = 'RELEASED', released_at = now() where attempt_id = %s", (attempt,))
+    with pytest.raises(errors.UniqueViolation) as e:
+        reserve(1)  # released, the (attempt, resource) pair stays taken: a new claim is a new attempt
+    assert _constraint(e) == "resource_reservation_pkey"
+    with pytest.raises(errors.NotNullViolation):  # no trigger fills the tenant in: its one writer passes it
+        conn.execute(
+            """insert into resource_reservation (task_id, attempt_id, resource_key, shard_no, reserved_units, lease_until,
+                                                 fencing_token)
+               values (%s, %s, 'another', 0, 1, now(), 1)""", (task, attempt))
+    with pytest.raises(errors.CheckViolation) as e:
+        reserve(0, "other", units=0)
     assert _constraint(e) == "resource_reservation_units_positive"
 
 

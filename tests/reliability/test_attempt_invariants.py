@@ -708,7 +708,7 @@ def _snapshot(conn, task_id) -> dict:
     return {
         "task": conn.execute("select * from generation_task where task_id = %s", (task_id,)).fetchone(),
         "attempts": conn.execute("select * from task_attempt where task_id = %s order by attempt_no", (task_id,)).fetchall(),
-        "reservations": conn.execute("select * from resource_reservation where task_id = %s order by reservation_id",
+        "reservations": conn.execute("select * from resource_reservation where task_id = %s order by attempt_id, resource_key",
                                      (task_id,)).fetchall(),
         "events": conn.execute("select event_id, event_type from outbox_event where aggregate_id = %s order by event_id",
                                (task_id,)).fetchall(),
