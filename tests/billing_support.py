@@ -159,7 +159,8 @@ def footprint(conn: psycopg.Connection, tenant_id, wallet_id) -> dict:
     """Everything a billing operation could write for a tenant: counts per table, the wallet and its lots."""
     out = {}
     for table in ("ledger_transaction", "ledger_entry", "credit_reservation", "reservation_allocation", "settlement_allocation",
-                  "refund_request", "compensation_case", "credit_lot", "outbox_event", "audit_log", "provider_cost_event"):
+                  "refund_request", "compensation_case", "credit_lot", "outbox_event", "audit_log", "provider_cost_event",
+                  "contract_budget", "media_cost_event"):
         out[table] = conn.execute(f"select count(*) as n from {table} where tenant_id = %s", (tenant_id,)).fetchone()["n"]
     out["parked"] = conn.execute("select count(*) as n from billing_parked_event where tenant_id = %s", (tenant_id,)).fetchone()["n"]
     w = conn.execute("select available_amount, reserved_amount, consumed_amount, version, frozen from wallet_account where wallet_id = %s",

@@ -235,6 +235,8 @@ class BillingConfig(_Strict):
     budget_reject_pct: int = Field(default=100, gt=0, le=1000)  # refuse all new work
     budget_slope_window_seconds: float = Field(default=600.0, gt=0)  # abnormal-slope breaker window
     budget_slope_max_fraction: float = Field(default=0.25, gt=0, le=1)  # of the limit reserved in one window
+    # ISO 4217 codes media costs are accounted in; an imported cost line in any other is parked
+    media_cost_currencies: list[str] = Field(default_factory=lambda: ["USD", "EUR", "GBP", "JPY", "CNY"], min_length=1)
 
 
 class PlatformConfig(_Strict):

@@ -21,7 +21,8 @@ from aivedio.errors import InvalidRequest
 ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
     "BILLING_ADMIN": frozenset({"refund.create", "compensation.request", "compensation.approve", "compensation.reject",
                                 "wallet.check", "wallet.rebuild", "wallet.unfreeze", "ledger.correct", "budget.manage",
-                                "subscription.manage", "costs.read", "credits.expire", "operator.grant"}),
+                                "subscription.manage", "costs.read", "credits.expire", "operator.grant",
+                                "contract_budget.manage", "costs.import"}),
     "SUPPORT": frozenset({"refund.create", "compensation.request", "costs.read", "wallet.check"}),
     "FINANCE_APPROVER": frozenset({"compensation.approve", "compensation.reject", "costs.read", "wallet.check"}),
     "AUDITOR": frozenset({"costs.read", "wallet.check"}),

@@ -165,6 +165,16 @@ def _budget_status(args) -> int:
     return _run(args, fn)
 
 
+def _contract_budget_set(args) -> int:
+    from aivedio.billing.contract_budgets import set_contract_budget
+
+    def fn(p, c):
+        row = set_contract_budget(c, operator=_operator(args), tenant_id=args.tenant_id, period_start=args.period_start,
+                                  period_end=args.period_end, budget_amount=args.amount, reason=args.reason)
+        return {k: str(v) if isinstance(v, (UUID, datetime)) else v for k, v in row.items()}
+    return _run(args, fn)
+
+
 def _subscription_set(args) -> int:
     from aivedio.billing.subscriptions import set_subscription
 
@@ -197,6 +207,13 @@ def _costs_report(args) -> int:
         start = args.start or end - timedelta(days=1)
         return cost_report(c, start=start, end=end, provider=args.provider)
     return _run(args, fn)
+
+
+def _media_costs_import(args) -> int:
+    from aivedio.billing.media_costs import import_cur
+
+    return _run(args, lambda p, c: import_cur(c, operator=_operator(args), path=args.file,
+                                              currencies=p.config.billing.media_cost_currencies))
 
 
 def _parked_list(args) -> int:
@@ -291,6 +308,16 @@ def register_admin(admin) -> None:
     bst = _common(budget.add_parser("status", help="budgets in force, their usage and threshold level"))
     bst.set_defaults(fn=_budget_status)
 
+    contract = admin.add_parser("contract-budget", help="POSTPAID contract budgets per billing period").add_subparsers(
+        dest="contract_budget_command", required=True)
+    cs = _common(contract.add_parser("set", help="a POSTPAID wallet's budget for a period: accrued + reserved + new <= AMOUNT"))
+    cs.add_argument("--tenant-id", required=True, type=UUID)
+    cs.add_argument("--amount", required=True, type=int, help="credits")
+    cs.add_argument("--period-start", required=True, type=_dt)
+    cs.add_argument("--period-end", required=True, type=_dt, help="exclusive")
+    cs.add_argument("--reason", default=None)
+    cs.set_defaults(fn=_contract_budget_set)
+
     sub = admin.add_parser("subscription", help="subscription grants").add_subparsers(dest="subscription_command", required=True)
     ss = _common(sub.add_parser("set", help="grant AMOUNT credits every PERIOD seconds (expiring at the period's end)"))
     ss.add_argument("--tenant-id", required=True, type=UUID)
@@ -309,6 +336,12 @@ def register_admin(admin) -> None:
     cr.add_argument("--to", dest="end", type=_dt, default=None, help="default: now")
     cr.add_argument("--provider", default=None)
     cr.set_defaults(fn=_costs_report)
+
+    media = admin.add_parser("media-costs", help="media costs: transcode, storage, egress").add_subparsers(
+        dest="media_costs_command", required=True)
+    mi = _common(media.add_parser("import", help="import an AWS Cost and Usage Report export (.csv or .csv.gz), once per line"))
+    mi.add_argument("--file", required=True)
+    mi.set_defaults(fn=_media_costs_import)
 
     parked = admin.add_parser("parked", help="settlement input parked for reconciliation").add_subparsers(
         dest="parked_command", required=True)

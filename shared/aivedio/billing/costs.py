@@ -13,7 +13,8 @@ Report. Over a period: every provider cost (failed, cancelled and duplicate atte
 spread over the successful, delivered videos: cost per successful video, per successful second and
 per playable minute; the duplicate-generation cost rate (cost of billed attempts that did not
 deliver a task that another attempt delivered, and of costs mapped to no attempt, over all provider
-cost); and media costs by tenant and kind."""
+cost); and media costs (imported from the cloud's cost reports by aivedio.billing.media_costs) by
+tenant and kind."""
 from __future__ import annotations
 
 import hashlib
@@ -167,17 +168,46 @@ def _checked(conn: psycopg.Connection, r: CostReport, row: dict, res: dict) -> R
     return RecordedCost(status, amount, currency)
 
 
-def record_media_cost(conn: psycopg.Connection, *, source_key: str, kind: str, amount: Decimal, currency: str,
-                      occurred_at: datetime, tenant_id: UUID | None = None, task_id: UUID | None = None,
-                      project_id: str | None = None, tags: dict | None = None) -> bool:
-    """One aggregated media cost line (transcode, storage, egress...) attributed by the object's
-    tags; a re-import of the same source line adds nothing."""
-    return conn.execute(
-        """insert into media_cost_event (source_key, tenant_id, task_id, project_id, kind, amount, currency, occurred_at, tags)
-           values (%s, %s, %s, %s, %s, %s, %s, %s, %s) on conflict (source_key) do nothing""",
-        (source_key, tenant_id, task_id, project_id, kind, Decimal(amount).quantize(QUANTUM), currency, occurred_at,
-         json.dumps(tags or {})),
-    ).rowcount == 1
+@dataclass(frozen=True)
+class MediaCost:
+    """One aggregated media cost line (transcode, storage, egress...), attributed by the object's tags."""
+
+    source_key: str  # the source line's identity: a re-import of it adds nothing
+    kind: str
+    amount: Decimal
+    currency: str
+    occurred_at: datetime
+    tenant_id: UUID | None = None
+    task_id: UUID | None = None
+    project_id: str | None = None
+    tags: dict | None = None
+
+
+RECORD_MEDIA_COSTS = """
+insert into media_cost_event (source_key, tenant_id, task_id, project_id, kind, amount, currency, occurred_at, tags)
+select * from unnest(%(keys)s::text[], %(tenants)s::uuid[], %(tasks)s::uuid[], %(projects)s::text[], %(kinds)s::text[],
+                     %(amounts)s::numeric[], %(currencies)s::text[], %(occurred)s::timestamptz[], %(tags)s::jsonb[])
+on conflict (source_key) do nothing
+returning source_key
+"""
+
+
+def record_media_costs(conn: psycopg.Connection, lines: list[MediaCost]) -> set[str]:
+    """Record media cost lines in one statement, idempotently; returns the source keys that are new."""
+    if not lines:
+        return set()
+    rows = conn.execute(RECORD_MEDIA_COSTS, {
+        "keys": [m.source_key for m in lines], "tenants": [m.tenant_id for m in lines], "tasks": [m.task_id for m in lines],
+        "projects": [m.project_id for m in lines], "kinds": [m.kind for m in lines],
+        "amounts": [Decimal(m.amount).quantize(QUANTUM) for m in lines], "currencies": [m.currency for m in lines],
+        "occurred": [m.occurred_at for m in lines], "tags": [json.dumps(m.tags or {}) for m in lines]}).fetchall()
+    return {r["source_key"] for r in rows}
+
+
+def record_media_cost(conn: psycopg.Connection, **line: Any) -> bool:
+    """Record one media cost line (MediaCost's fields); True when it is new."""
+    m = MediaCost(**line)
+    return m.source_key in record_media_costs(conn, [m])
 
 
 # --- the report ------------------------------------------------------------------------------------------

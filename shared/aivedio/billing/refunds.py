@@ -21,7 +21,7 @@ from uuid import UUID
 import psycopg
 
 from aivedio.admin import rbac
-from aivedio.billing import lots
+from aivedio.billing import contract_budgets, lots
 from aivedio.billing.errors import RefundExceedsSettled, RefundTenantMismatch, TaskNotFound, WalletFrozen
 from aivedio.billing.ledger import Entry, lock_wallet, post
 from aivedio.billing.reservations import lock_reservation
@@ -160,6 +160,8 @@ def _apply(conn: psycopg.Connection, *, wallet: dict, reservation: dict, refund:
                   metadata={"refund_id": str(refund["refund_id"]), "reason": refund["reason"]})
     if posted.created:
         lots.refund_to_lots(conn, parts)
+        if wallet["account_type"] == "POSTPAID":  # a refund lowers the receivable of the period it is made in
+            contract_budgets.accrue(conn, now=now, refunded={wallet["wallet_id"]: amount})
         with conn.cursor() as cur:
             cur.executemany(
                 "update settlement_allocation set refunded_amount = refunded_amount + %s where ledger_txn_id = %s and lot_id = %s",

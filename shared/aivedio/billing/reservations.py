@@ -1,6 +1,7 @@
 """Credit reservations (ch. 20.5.3, 20.6): RESERVE at admission, a top-up before work that may cost
 more, SETTLE of what is charged and RELEASE of the rest, each across the credit lots the
-reservation drew from. Settlement (aivedio.billing.settlement) decides the amounts; these move them."""
+reservation drew from. Settlement (aivedio.billing.settlement) decides the amounts; these move them.
+A POSTPAID wallet reserves within its credit limit and its contract budget (contract_budgets)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.billing import lots
+from aivedio.billing import contract_budgets, lots
 from aivedio.billing.ledger import Entry, Posted, Posting, append, find_transaction, post
 
 
@@ -18,9 +19,20 @@ class InsufficientCredit(Exception):
 
 
 def can_reserve(wallet: dict, amount: int) -> bool:
+    """What the wallet snapshot alone allows: the balance, or a POSTPAID wallet's credit limit."""
     if wallet["account_type"] == "POSTPAID":
         return wallet["available_amount"] - amount >= -wallet["credit_limit_amount"]
     return wallet["available_amount"] >= amount
+
+
+def ensure_reservable(conn: psycopg.Connection, wallet: dict, amount: int, now: datetime) -> None:
+    """Raise InsufficientCredit unless the wallet may reserve `amount` more at `now`: can_reserve,
+    and for POSTPAID the contract budget of the period too. The caller holds the wallet lock."""
+    if not can_reserve(wallet, amount):
+        raise InsufficientCredit(f"available {wallet['available_amount']} < {amount}")
+    room = contract_budgets.headroom(conn, wallet, now)
+    if room is not None and amount > room:
+        raise InsufficientCredit(f"the contract budget of this billing period has {max(0, room)} left, {amount} needed")
 
 
 def reserve(
@@ -35,8 +47,7 @@ def reserve(
     now: datetime,
 ) -> tuple[UUID, Posted | None]:
     """RESERVE: AVAILABLE -amount, RESERVED +amount, allocated across lots. Caller holds the wallet lock."""
-    if not can_reserve(wallet, amount):
-        raise InsufficientCredit(f"available {wallet['available_amount']} < {amount}")
+    ensure_reservable(conn, wallet, amount, now)
     # POSTPAID wallets spend a credit limit, not lots; the others draw their lots down.
     parts = [] if wallet["account_type"] == "POSTPAID" else lots.take_from_lots(conn, wallet["wallet_id"], amount, now)
     res = conn.execute(
@@ -192,16 +203,18 @@ class Closing:
     settle_txn_id: UUID | None = None  # set by close_many
 
 
-def close_many(conn: psycopg.Connection, closings: list[Closing]) -> None:
+def close_many(conn: psycopg.Connection, closings: list[Closing], now: datetime) -> None:
     """Settlement's money movement, for any number of reservations in a handful of statements: for
     each, SETTLE `amount` of the open reservation (RESERVED -> CONSUMED) from its lots in spending
     order, recorded per lot in settlement_allocation so a refund can find them, and RELEASE the rest
-    (RESERVED -> AVAILABLE) back to its original lots. Every statement is fire-and-forget (pipeline
-    friendly); the ledger keys must be new (ledger.append). Sets each closing's settle_txn_id (None
-    for no charge) and updates the reservation and wallet dicts in place. The caller holds the
-    wallet locks and has checked that the reservations are still open."""
+    (RESERVED -> AVAILABLE) back to its original lots. What a POSTPAID wallet settles accrues to its
+    contract budget's period at `now`. Every statement is fire-and-forget (pipeline friendly); the
+    ledger keys must be new (ledger.append). Sets each closing's settle_txn_id (None for no charge)
+    and updates the reservation and wallet dicts in place. The caller holds the wallet locks and has
+    checked that the reservations are still open."""
     by_wallet: dict[UUID, tuple[dict, list[Posting]]] = {}
     moves, closed, recorded = [], [], []
+    receivable: dict[UUID, int] = {}
     for c in closings:
         r = c.reservation
         open_amount = r["reserved_amount"] - r["settled_amount"] - r["released_amount"]
@@ -217,6 +230,8 @@ def close_many(conn: psycopg.Connection, closings: list[Closing]) -> None:
             postings.append(posting)
             c.settle_txn_id = posting.ledger_txn_id
             recorded += [(posting.ledger_txn_id, lot, c.wallet["tenant_id"], part) for lot, part in settled]
+            if c.wallet["account_type"] == "POSTPAID":
+                receivable[c.wallet["wallet_id"]] = receivable.get(c.wallet["wallet_id"], 0) + c.amount
         if release_amount:
             postings.append(Posting(c.release_key, "RELEASE",
                                     tuple(_pairs(released, release_amount, debit="RESERVED", credit="AVAILABLE")),
@@ -232,6 +247,7 @@ def close_many(conn: psycopg.Connection, closings: list[Closing]) -> None:
         conn.execute(RECORD_SETTLEMENT_ALLOCATION, {"txns": [x[0] for x in recorded], "lots": [x[1] for x in recorded],
                                                     "tenants": [x[2] for x in recorded], "amounts": [x[3] for x in recorded]})
     _close_reservations(conn, closed)
+    contract_budgets.accrue(conn, now=now, settled=receivable)
 
 
 def top_up(conn: psycopg.Connection, *, wallet: dict, reservation: dict, amount: int, business_key: str,
@@ -245,8 +261,7 @@ def top_up(conn: psycopg.Connection, *, wallet: dict, reservation: dict, amount:
     existing = find_transaction(conn, wallet["wallet_id"], business_key)
     if existing is not None:
         return Posted(existing["ledger_txn_id"], False)
-    if not can_reserve(wallet, amount):
-        raise InsufficientCredit(f"available {wallet['available_amount']} < {amount}")
+    ensure_reservable(conn, wallet, amount, now)
     parts = [] if wallet["account_type"] == "POSTPAID" else lots.take_from_lots(conn, wallet["wallet_id"], amount, now)
     posted = post(conn, wallet=wallet, business_key=business_key, event_type="RESERVE",
                   entries=_pairs(parts, amount, debit="AVAILABLE", credit="RESERVED"),

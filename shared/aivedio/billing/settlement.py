@@ -27,7 +27,7 @@ A cancellation BEFORE_DISPATCH was already released by admission's cancel: it se
 still finalizes the snapshot."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from decimal import Decimal
 from typing import Any, Callable, Literal
@@ -37,7 +37,7 @@ import psycopg
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aivedio import outbox
-from aivedio.billing import budgets, costs, lots, parked, policies, refunds
+from aivedio.billing import budgets, contract_budgets, costs, lots, parked, policies, refunds
 from aivedio.billing.reservations import Closing, close_many, top_up
 from aivedio.db.pool import in_transaction
 from aivedio.observability import logger, metrics
@@ -292,7 +292,11 @@ def _plan(conn: psycopg.Connection, i: int, item: Terminal, ev: TerminalEvent, s
 
     version = charge["charge_version"]
     if decision.top_up:
-        before_top_up()
+        before_top_up()  # the wallet and its contract budget as the events planned before this one leave them
+        room = contract_budgets.headroom(conn, wallet, now)
+        if room is not None and room < decision.top_up:  # the contract budget caps the excess too; the platform bears the rest
+            decision = policies.decide(replace(snapshot, headroom=max(0, room)), outcome)
+    if decision.top_up:
         top_up(conn, wallet=wallet, reservation=r, amount=decision.top_up,
                business_key=f"reserve:generation:{task_id}:topup:settle:{version}", now=now)  # POSTPAID: no lots
     open_before = r["reserved_amount"] - r["settled_amount"] - r["released_amount"]
@@ -321,7 +325,7 @@ def _write(conn: psycopg.Connection, plans: list[_Plan], results: list, now: dat
     for this settlement, spend budgets), then the provider costs, which await one answer."""
     for p in plans:  # close_many moves the wallet dicts itself
         _preview(p.wallet, -p.open_before, -p.decision.amount)
-    close_many(conn, [p.closing for p in plans])
+    close_many(conn, [p.closing for p in plans], now)
     conn.execute(FINALIZE_CHARGES, {
         "now": now, "tasks": [p.ev.task_id for p in plans], "amounts": [p.decision.amount for p in plans],
         "outcomes": [p.outcome_key for p in plans], "reasons": [p.decision.reason_code for p in plans],
