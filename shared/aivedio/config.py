@@ -211,7 +211,7 @@ class Pools(_Strict):
 
 
 class SchedulerConfig(_Strict):
-    base_quantum: int = Field(default=4, gt=0)  # ch. 18.6.3; quantum = base_quantum x weight
+    base_quantum: int = Field(default=1, gt=0)  # ch. 18.6.3; quantum = base_quantum x weight
     batch_size: int = Field(default=8, gt=0)  # claims per tenant visit
     conservative_batch_size: int = Field(default=2, gt=0)  # when Redis is down
     fit_scan_depth: int = Field(default=8, gt=0)  # head tasks a visit may look at

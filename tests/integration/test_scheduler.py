@@ -30,11 +30,11 @@ from aivedio.scheduling.claim import LENDER_KEY, NoRoom, claim
 from aivedio.scheduling.maintenance import TOP_AGING_BAND, age_tasks, detect_starvation
 from aivedio.scheduling.resources import ensure_platform_pools, rebuild_counters, release_attempt
 from aivedio.scheduling.ring import _keys as ring_keys
-from aivedio.scheduling.ring import built_key
+from aivedio.scheduling.ring import Ring, built_key
 from aivedio.scheduling.scheduler import Scheduler
 from tests.admission_support import new_tenant
 from tests.conftest import create_test_database, drop_test_database
-from tests.scheduler_support import (BODY_EXPENSIVE, OPEN, UNCAPPED, counters, finish_all, pick_attempts, submit,
+from tests.scheduler_support import (BODY_EXPENSIVE, OPEN, UNCAPPED, complete, counters, finish_all, pick_attempts, submit,
                                      used)
 
 pytestmark = pytest.mark.timeout(180)
@@ -278,6 +278,52 @@ def test_drr_gives_weights_4_2_1_their_share_of_a_saturated_lane(make_platform, 
     assert error <= 0.03, (shares, ideal, served)
     for n in weights:
         assert abs(shares[n] - ideal[n]) <= 0.03, (shares, ideal, served)
+
+
+def test_a_roomy_lane_grants_several_rounds_per_turn_with_the_same_shares(make_platform, conn):
+    # 60 free units, 2 tenants of weights 2 and 1, base quantum 1: a rotation of the ring grants
+    # 60 // (2 tenants x 1 x heaviest weight 2) = 15 rounds' quanta each (30 and 15 units), fitting
+    # the room, then fewer as the room shrinks. The shares stay 2:1 in a fraction of the visits a
+    # one-quantum turn needs (one visit per 1.5 units on average).
+    p = start(make_platform, make_config({PAID: LaneConfig(capacity_units=60)}, base_quantum=1))
+    heavy, light = tenant(p, weight=2, **UNCAPPED), tenant(p, weight=1, **UNCAPPED)
+    submit(p, heavy.tenant_id, heavy.user_id, n=60)
+    submit(p, light.tenant_id, light.user_id, n=60)
+    with p.db.connection() as c:
+        Ring(p).rebuild(c, PAID)  # the queue index is up: not the conservative mode, which turns one quantum at a time
+    report = Scheduler(p).tick(10)
+    served = Counter(a.tenant_id for a in finish_all(p))
+    assert served[heavy.tenant_id] + served[light.tenant_id] == 60, served
+    assert abs(served[heavy.tenant_id] - 40) <= 2, served
+    assert report.visits <= 20, report  # 40 with one quantum per turn
+
+
+def test_a_saturated_lane_serves_a_newcomer_within_one_slot_per_backlogged_tenant(make_platform, conn):
+    # The issue's DRR ideal: a tenant that arrives behind a flood waits for as many freed slots as
+    # there are backlogged tenants, never for a whole turn of the flood's banked quanta.
+    p = start(make_platform, make_config({PAID: LaneConfig(capacity_units=4)}))
+    whale, small = tenant(p, **UNCAPPED), tenant(p, **UNCAPPED)
+    submit(p, whale.tenant_id, whale.user_id, n=40)
+    with p.db.connection() as c:
+        Ring(p).rebuild(c, PAID)
+    s = Scheduler(p)
+    running: list = []
+
+    def free_one_slot_and_tick() -> None:
+        if running:
+            assert complete(p, running.pop(0))[0]
+        s.tick(5)
+        running.extend(pick_attempts(p, 100))
+
+    for _ in range(6):  # the whale alone, slot by slot; the last slot began a new turn of the whale's
+        free_one_slot_and_tick()  # (with a quantum of 4 units it would hold 3 more slots of that turn)
+    assert len(running) == 4
+    newcomer = submit(p, small.tenant_id, small.user_id, n=1)[0]
+    freed = 0
+    while task_row(conn, newcomer)["state"] == "QUEUED":
+        assert freed < 2, "the newcomer waited for more slots than there are backlogged tenants"
+        free_one_slot_and_tick()
+        freed += 1
 
 
 # --- aging and starvation -----------------------------------------------------------------------------------

@@ -42,7 +42,11 @@ POLICY_DEFAULTS: dict[str, dict] = {
 }
 ACCOUNT_TYPES = ("PREPAID", "SUBSCRIPTION", "POSTPAID")
 SUBSCRIPTION_PERIOD = timedelta(days=30)
-BASE_QUANTUM = 4  # ch. 18.6.3; the burst credit a returning tenant starts from is two quanta
+
+
+def initial_burst_credit(config, weight: int) -> int:
+    """ch. 18.6.4: the deficit a tenant coming back from empty may start from: two of its quanta."""
+    return 2 * config.scheduler.base_quantum * weight
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,7 @@ def create_tenant(platform, *, name: str, service_class: str, weight: int, credi
     if bad:
         raise InvalidRequest("invalid tenant", bad)
     policy.setdefault("burst_rounds", 4)
-    policy.setdefault("initial_burst_credit", 2 * BASE_QUANTUM * weight)
+    policy.setdefault("initial_burst_credit", initial_burst_credit(platform.config, weight))
 
     def tx(conn) -> CreatedTenant:
         now = platform.clock.now()

@@ -99,11 +99,16 @@ class Scheduler:
         self._ensured: set[tuple[str, int]] = set()
         # lane -> tenant whose turn was cut short by capacity; the lane's next visit continues it.
         self._resume: dict[str, UUID] = {}
+        self._weight_max, self._weight_read_at = 1, None
 
     # -- one tenant visit ---------------------------------------------------------------------
-    def visit(self, lane: str, tenant_id: UUID, view: LaneView, conservative: bool, continuation: bool = False) -> VisitResult:
+    def visit(self, lane: str, tenant_id: UUID, view: LaneView, conservative: bool, continuation: bool = False,
+              rounds: int = 1) -> VisitResult:
         """One DRR turn (or, with continuation, the rest of a turn cut short by the batch size: no
-        new quantum, so batching never changes the shares)."""
+        new quantum, so batching never changes the shares). `rounds` > 1 grants that many quanta at
+        once, for a lane with room for that many rounds of every active tenant (see _rounds): the
+        same shares in fewer visits. What such a turn leaves unspent is not banked beyond one round's
+        cap, so abundance never turns into a burst once the lane is scarce again."""
         p = self.platform
         batch = self.cfg.conservative_batch_size if conservative else self.cfg.batch_size
 
@@ -130,7 +135,7 @@ class Scheduler:
             if continuation:
                 debt_paid = 0
             else:
-                deficit = min(deficit + quantum - debt_paid, cap)
+                deficit = min(deficit + quantum * rounds - debt_paid, cap * rounds)
             claims: list[Claimed] = []
             outcome = "CREDITED"
             pending = False
@@ -184,13 +189,21 @@ class Scheduler:
                     view.can_borrow = view.borrow_room > 0
                 deficit -= c.units
             served = sum(c.units for c in claims)
+            # The batch filled with deficit left: the turn continues with the next head, or, when every
+            # head read was claimed, with the tenant's next tasks (there may be more than were read).
+            if len(heads) > len(claims):
+                next_fits = heads[len(claims)]["fairness_units"] <= deficit
+            else:
+                next_fits = len(heads) >= self.cfg.fit_scan_depth and deficit > 0
+            more = len(claims) >= batch and next_fits
+            if not more:  # the turn is over: nothing beyond one round's cap is banked
+                deficit = min(deficit, cap)
             conn.execute(
                 """update drr_lane_tenant set deficit = %s, fairness_debt = fairness_debt - %s, active = true,
                           served_units = served_units + %s, visits = visits + 1, last_active_at = %s, updated_at = %s
                     where lane = %s and tenant_id = %s""",
                 (max(0, deficit), debt_paid, served, now, now, lane, tenant_id),
             )
-            more = len(claims) >= batch and len(heads) > len(claims) and heads[len(claims)]["fairness_units"] <= deficit
             return VisitResult("CLAIMED" if claims else outcome, claims, more, pending or more)
 
         result = p.db.transaction(tx)
@@ -279,6 +292,25 @@ class Scheduler:
         report.claims = sum(report.by_lane.values())
         return report
 
+    def _rounds(self, view: LaneView, ring_size: int | None) -> int:
+        """How many DRR rounds the lane's free room holds for every active tenant at once, counting
+        each at the heaviest weight (so a round's quanta never add up to more than the room). While
+        room is scarce it is 1: the classic turn, a quantum each, so a newcomer waits about one slot
+        per backlogged tenant (ch. 18.6). With room to spare, a turn takes that many quanta: the same
+        weighted shares in fewer visits. Without the ring's size (conservative mode) it is 1."""
+        if not ring_size:
+            return 1
+        return max(1, view.free // (ring_size * self.cfg.base_quantum * self._max_weight()))
+
+    def _max_weight(self) -> int:
+        """The heaviest tenant weight, read at most once a minute (weights change by operator action)."""
+        now = time.monotonic()
+        if self._weight_read_at is None or now - self._weight_read_at > 60:
+            self._weight_max = int(self.platform.db.fetchone(
+                "select coalesce(max(weight), 1) as w from tenant_scheduling_policy")["w"])
+            self._weight_read_at = now
+        return self._weight_max
+
     def _run_lane(self, lane: str, use_redis: bool, conservative: bool, deadline: float, report: TickReport) -> int:
         p = self.platform
         claimed = idle = 0
@@ -286,6 +318,9 @@ class Scheduler:
             view = LaneView(p, conn, lane)
             ring_size = self.ring.size(lane, use_redis)
         limit_idle = min(self.cfg.max_idle_visits, (ring_size or self.cfg.max_idle_visits) + 1)
+        # The multiplier is fixed for a whole rotation of the ring, so every tenant of a round gets
+        # the same number of quanta; it is read again at the start of the next rotation.
+        rounds, turns_left = self._rounds(view, ring_size), ring_size or 1
         while time.monotonic() < deadline and view.has_room:
             # DRR keeps its pointer on a tenant until its deficit is spent: a turn cut short by
             # capacity resumes first, as a continuation (no new quantum). Rotating the ring on every
@@ -298,7 +333,11 @@ class Scheduler:
                     tenant = self.ring.next(conn, lane, use_redis)
             if tenant is None:
                 break
-            r = self.visit(lane, tenant, view, conservative, continuation=resumed is not None)
+            if resumed is None:
+                if turns_left <= 0:
+                    rounds, turns_left = self._rounds(view, ring_size), ring_size or 1
+                turns_left -= 1
+            r = self.visit(lane, tenant, view, conservative, continuation=resumed is not None, rounds=rounds)
             report.visits += 1
             while r.more and view.has_room and time.monotonic() < deadline:
                 claimed += len(r.claims)

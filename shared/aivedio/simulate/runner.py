@@ -128,7 +128,7 @@ def _admit_backlog(p, tenants: dict[str, SimTenant], arrivals: list) -> dict[str
 def _bulk(p, scenario: Scenario) -> dict[str, SimTenant]:
     """Tenants, policies, users and one queued task each, written set-based. Each task copies the
     normalised columns of a task that admit() wrote, so it is what admission would have produced."""
-    from aivedio.admin.tenants import BASE_QUANTUM, POLICY_DEFAULTS
+    from aivedio.admin.tenants import POLICY_DEFAULTS, initial_burst_credit
 
     b = scenario.bulk
     names = [f"bulk-{i:05d}" for i in range(b.tenants)]
@@ -148,7 +148,7 @@ def _bulk(p, scenario: Scenario) -> dict[str, SimTenant]:
         cols = ["tenant_id", "service_class", "weight", "policy_version", "updated_at", "initial_burst_credit", *policy]
         conn.execute(
             f"""insert into tenant_scheduling_policy ({', '.join(cols)})
-                select t.tenant_id, 'PAID_SHARED', w.weight, 1, %s, 2 * {BASE_QUANTUM} * w.weight, {', '.join(['%s'] * len(policy))}
+                select t.tenant_id, 'PAID_SHARED', w.weight, 1, %s, {initial_burst_credit(p.config, 1)} * w.weight, {', '.join(['%s'] * len(policy))}
                   from unnest(%s::text[], %s::int[]) as w(name, weight) join tenant t on t.name = w.name""",
             (now, *policy.values(), names, weights))
         users = conn.execute(

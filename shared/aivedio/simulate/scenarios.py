@@ -159,11 +159,12 @@ def whale_vs_small(whale_tasks: int = 5000, small_tenants: int = 10, small_tasks
                "whale's backlog ahead of them has drained: 5,200 claims, the longest part of this scenario's wall time, "
                "after admitting the 5,000-task flood through admit()).",
                "The issue's DRR ideal counts one slot per backlogged tenant per round, i.e. DRR whose quantum is one "
-               "task; with the default base_quantum of 4 units the whale takes up to 4 slots per turn. "
-               "--param scheduler='{\"base_quantum\": 1}' runs the quantum the ideal assumes.",
+               "task: the default base_quantum of 1 unit while the lane is saturated (a lane with room to spare grants "
+               "several rounds' quanta per turn: Scheduler._rounds).",
                "The rate-based ideal ignores that completions arrive at random: with 2-4 tenants backlogged, waiting for "
                "that many slots to free has a long tail whatever the scheduler does. The realised-slot ideal measures "
-               "the same thing on the run's actual completions."],
+               "the same thing on the run's actual completions; oracle_p99_over_ideal is what a perfect per-slot round "
+               "robin scores on the rate-based ideal."],
     )
 
 
