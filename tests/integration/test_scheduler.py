@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import psycopg
 import pytest
@@ -324,6 +324,25 @@ def test_a_saturated_lane_serves_a_newcomer_within_one_slot_per_backlogged_tenan
         assert freed < 2, "the newcomer waited for more slots than there are backlogged tenants"
         free_one_slot_and_tick()
         freed += 1
+
+
+def test_a_tenant_whose_tasks_wait_out_a_backoff_stays_on_the_ring(make_platform, conn):
+    # A requeue after a 429 makes the task eligible later. A visit before then must not take the
+    # tenant off the ring: nothing would visit it again until the queue index is rebuilt.
+    clock = ManualClock(datetime.now(timezone.utc))
+    p = start(make_platform, make_config({PAID: LaneConfig(capacity_units=4)}), clock=clock)
+    t = tenant(p, **UNCAPPED)
+    task = submit(p, t.tenant_id, t.user_id, n=1)[0]
+    with p.db.connection() as c:
+        Ring(p).rebuild(c, PAID)
+    conn.execute("update generation_task set next_eligible_at = %s where task_id = %s", (clock.now() + timedelta(seconds=60), task))
+    s = Scheduler(p)
+    assert s.tick(2).by_lane[PAID] == 0
+    ring = [m.decode() if isinstance(m, bytes) else m for m in p.cache.r.lrange(ring_keys(p.cache, PAID)[0], 0, -1)]
+    assert str(t.tenant_id) in ring
+    clock.advance(61)
+    assert s.tick(2).by_lane[PAID] == 1
+    assert task_row(conn, task)["state"] == "DISPATCHING"
 
 
 # --- aging and starvation -----------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ PAUSED_WHEN_CONSERVATIVE = ("BEST_EFFORT", "EXPENSIVE")
 
 @dataclass
 class VisitResult:
-    outcome: str  # CLAIMED, CREDITED (banked deficit only), EMPTY, BUSY, CAPPED, SKIPPED, BLOCKED, FULL
+    outcome: str  # CLAIMED, CREDITED (banked deficit only), EMPTY, WAITING (not eligible yet), BUSY, CAPPED, SKIPPED,
+    #                BLOCKED, FULL
     claims: list[Claimed] = field(default_factory=list)
     more: bool = False  # the batch filled while deficit remains: the tenant's turn continues
     pending: bool = False  # stopped by shared capacity (FULL, or a BLOCKED head that holds the lane) with deficit left
@@ -55,6 +56,13 @@ def head_tasks(conn, lane: str, tenant_id: UUID, now, limit: int) -> list[dict]:
             order by priority_band, next_eligible_at, enqueue_at limit %s""",
         (lane, tenant_id, now, limit),
     ).fetchall()
+
+
+def _waiting(conn, lane: str, tenant_id: UUID) -> bool:
+    """Whether the tenant has queued tasks in the lane that are not eligible yet."""
+    return conn.execute(
+        "select exists(select 1 from generation_task where state = 'QUEUED' and queue_class = %s and tenant_id = %s) as w",
+        (lane, tenant_id)).fetchone()["w"]
 
 
 def _can_ever_fit(conn, key: str, task: dict) -> bool:
@@ -123,6 +131,10 @@ class Scheduler:
             policy = _policy(conn, tenant_id)
             heads = head_tasks(conn, lane, tenant_id, now, self.cfg.fit_scan_depth)
             if not heads:
+                if _waiting(conn, lane, tenant_id):
+                    # Queued, but not eligible yet (a requeue's backoff after a 429): the tenant stays
+                    # on the ring, or nothing would visit it again until the index is rebuilt.
+                    return VisitResult("WAITING")
                 conn.execute("update drr_lane_tenant set active = false, updated_at = %s where lane = %s and tenant_id = %s",
                              (now, lane, tenant_id))
                 return VisitResult("EMPTY")
