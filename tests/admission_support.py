@@ -44,10 +44,11 @@ class Tenant:
     user_id: uuid.UUID
     wallet_id: uuid.UUID
     api_key: str
+    project: str | None = None  # the key's project (admin api-key create)
 
     @property
     def caller(self) -> Caller:
-        return Caller(self.tenant_id, self.user_id, "OWNER")
+        return Caller(self.tenant_id, self.user_id, "OWNER", self.project)
 
 
 def new_tenant(platform, *, service_class="PAID_SHARED", credits=10_000, weight=10, account_type="PREPAID", **policy) -> Tenant:
@@ -61,7 +62,7 @@ def second_user(platform, t: Tenant) -> Tenant:
     def tx(conn):
         uid = conn.execute("insert into app_user (tenant_id, name, role) values (%s, %s, 'MEMBER') returning user_id",
                            (t.tenant_id, f"member-{uuid.uuid4().hex[:6]}")).fetchone()["user_id"]
-        return Tenant(t.tenant_id, uid, t.wallet_id, issue_key(conn, t.tenant_id, uid))
+        return Tenant(t.tenant_id, uid, t.wallet_id, issue_key(conn, t.tenant_id, uid).secret)
 
     return platform.db.transaction(tx)
 

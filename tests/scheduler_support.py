@@ -33,9 +33,11 @@ LIVE_STATES = ("DISPATCHING", "SUBMITTED", "RUNNING", "SUBMIT_UNKNOWN", "CANCEL_
                "MEDIA_PROCESSING", "MANUAL_REVIEW", "MEDIA_INGEST_FAILED")
 
 
-def submit(platform, tenant_id, user_id, body: dict = BODY_1U, n: int = 1, ring: bool = True) -> list[uuid.UUID]:
-    """Admit n tasks through the core and put the tenant on its lane's ring (the queue indexer's job)."""
-    caller = Caller(tenant_id, user_id, "OWNER")
+def submit(platform, tenant_id, user_id, body: dict = BODY_1U, n: int = 1, ring: bool = True,
+           project: str | None = None) -> list[uuid.UUID]:
+    """Admit n tasks through the core (as a key of `project`, when given) and put the tenant on its
+    lane's ring (the queue indexer's job)."""
+    caller = Caller(tenant_id, user_id, "OWNER", project)
     req = GenerationRequest(**body)
     out = []
     for _ in range(n):

@@ -1,16 +1,19 @@
-"""API keys: shown once, stored as sha256 hex, each mapping to one tenant and one user."""
+"""API keys: shown once, stored as sha256 hex, each mapping to one tenant and one user, and
+optionally to one of the tenant's projects (chosen by the operator who issues the key)."""
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 from dataclasses import dataclass
 from uuid import UUID
 
 import psycopg
 
-from aivedio.errors import Unauthenticated
+from aivedio.errors import InvalidRequest, Unauthenticated
 
 KEY_PREFIX = "av_"
+PROJECT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # the same rule as the api_key_project_name CHECK
 
 
 @dataclass(frozen=True)
@@ -18,19 +21,32 @@ class Caller:
     tenant_id: UUID
     user_id: UUID
     role: str
+    project: str | None = None  # from the key, never from the request
+
+
+@dataclass(frozen=True)
+class IssuedKey:
+    key_id: UUID
+    secret: str  # shown once: only its hash is stored
 
 
 def hash_key(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def issue_key(conn: psycopg.Connection, tenant_id: UUID, user_id: UUID) -> str:
+def validate_project(project: str) -> str:
+    if not isinstance(project, str) or not PROJECT_NAME.fullmatch(project):
+        raise InvalidRequest("invalid project name", {"project": "1 to 64 characters of A-Z a-z 0-9 _ . -"})
+    return project
+
+
+def issue_key(conn: psycopg.Connection, tenant_id: UUID, user_id: UUID, *, project: str | None = None) -> IssuedKey:
     secret = KEY_PREFIX + secrets.token_urlsafe(32)
-    conn.execute(
-        "insert into api_key (tenant_id, user_id, key_hash, key_prefix) values (%s, %s, %s, %s)",
-        (tenant_id, user_id, hash_key(secret), secret[:8]),
-    )
-    return secret
+    key_id = conn.execute(
+        "insert into api_key (tenant_id, user_id, key_hash, key_prefix, project) values (%s, %s, %s, %s, %s) returning key_id",
+        (tenant_id, user_id, hash_key(secret), secret[:8], None if project is None else validate_project(project)),
+    ).fetchone()["key_id"]
+    return IssuedKey(key_id, secret)
 
 
 def authenticate(conn: psycopg.Connection, authorization: str | None) -> Caller:
@@ -40,7 +56,7 @@ def authenticate(conn: psycopg.Connection, authorization: str | None) -> Caller:
     if not secret.startswith(KEY_PREFIX) or len(secret) > 200:
         raise Unauthenticated("unknown API key")
     row = conn.execute(
-        """select k.tenant_id, k.user_id, u.role from api_key k
+        """select k.tenant_id, k.user_id, u.role, k.project from api_key k
              join app_user u on u.tenant_id = k.tenant_id and u.user_id = k.user_id
              join tenant t on t.tenant_id = k.tenant_id
             where k.key_hash = %s and k.revoked_at is null and t.status = 'ACTIVE'""",
@@ -48,4 +64,4 @@ def authenticate(conn: psycopg.Connection, authorization: str | None) -> Caller:
     ).fetchone()
     if row is None:
         raise Unauthenticated("unknown API key")
-    return Caller(row["tenant_id"], row["user_id"], row["role"])
+    return Caller(row["tenant_id"], row["user_id"], row["role"], row["project"])

@@ -94,7 +94,7 @@ def test_several_scopes_at_once_and_idempotent_keys(p, conn):
     for b in ids:
         assert state(conn, b)[0] == Decimal("2.5") and state(conn, b)[3] == 1
     # One scope full refuses the whole reservation, and none of the others is touched.
-    small = new_budget(p, "PROJECT", f"p-{uuid.uuid4().hex[:6]}", 1)
+    small = new_budget(p, "PROJECT", budgets.project_scope_id(new_wallet(p).tenant_id, "p-1"), 1)
     with pytest.raises(BudgetExceeded):
         reserve(p, [*scopes, ("PROJECT", row(conn, small)["scope_id"])], "2")
     for b in ids:

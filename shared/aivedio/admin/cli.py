@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+from uuid import UUID
 
 from aivedio.admin.tenants import ACCOUNT_TYPES, create_tenant
 from aivedio.config import SERVICE_CLASSES
@@ -21,6 +22,14 @@ def _tenant_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _api_key_create(args: argparse.Namespace) -> int:
+    from aivedio.admin.api_keys import create_api_key
+    from aivedio.billing.cli import _operator, _run
+
+    return _run(args, lambda p, c: create_api_key(c, operator=_operator(args), tenant_id=args.tenant_id, user_id=args.user_id,
+                                                  project=args.project).as_dict())
+
+
 def register(sub) -> None:
     admin = sub.add_parser("admin", help="operator commands").add_subparsers(dest="admin_command", required=True)
     tenant = admin.add_parser("tenant", help="tenants").add_subparsers(dest="tenant_command", required=True)
@@ -34,6 +43,13 @@ def register(sub) -> None:
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=_tenant_create)
 
-    from aivedio.billing.cli import register_admin  # refunds, compensation, wallets, budgets, costs (issue 6)
+    from aivedio.billing.cli import _common, register_admin  # refunds, compensation, wallets, budgets, costs (issue 6)
+
+    key = admin.add_parser("api-key", help="API keys").add_subparsers(dest="api_key_command", required=True)
+    k = _common(key.add_parser("create", help="issue an existing tenant a key bound to a project (shown once)"))
+    k.add_argument("--tenant-id", required=True, type=UUID)
+    k.add_argument("--user-id", type=UUID, default=None, help="the key's user (default: the tenant's first OWNER)")
+    k.add_argument("--project", required=True, help="1 to 64 of A-Z a-z 0-9 _ . - ; its budgets use the scope id TENANT_ID:PROJECT")
+    k.set_defaults(fn=_api_key_create)
 
     register_admin(admin)

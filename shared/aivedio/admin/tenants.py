@@ -110,7 +110,7 @@ def create_tenant(platform, *, name: str, service_class: str, weight: int, credi
             grant_credits(conn, wallet, credits, kind="PAID" if account_type == "PREPAID" else "SUBSCRIPTION",
                           business_key=f"grant:initial:{tenant_id}",
                           expires_at=now + SUBSCRIPTION_PERIOD if account_type == "SUBSCRIPTION" else None)
-        secret = auth.issue_key(conn, tenant_id, user_id)
+        secret = auth.issue_key(conn, tenant_id, user_id).secret
         conn.execute(
             "insert into audit_log (tenant_id, operator, action, target, new_value, reason, policy_version) values (%s, %s, %s, %s, %s, %s, 1)",
             (tenant_id, operator, "tenant.create", f"tenant:{tenant_id}",

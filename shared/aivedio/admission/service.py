@@ -166,7 +166,7 @@ def _check_lane(platform, policy: dict, est: Estimate) -> None:
 def _check_budgets(platform, caller: Caller, est: Estimate) -> None:
     if not budgets.in_force(platform):
         return
-    why = budgets.check_admission(platform, tenant_id=caller.tenant_id, costly=est.is_expensive,
+    why = budgets.check_admission(platform, tenant_id=caller.tenant_id, project=caller.project, costly=est.is_expensive,
                                   low_priority=est.priority_band >= budgets.LOW_PRIORITY_BAND)
     if why is not None:
         raise Rejected("REJECT_COST_BUDGET", why, 60)
@@ -246,13 +246,14 @@ def _admit_locked(platform, conn, caller: Caller, req: GenerationRequest, key: s
                   (task_id, tenant_id, user_id, queue_class, priority_band, base_priority_band, resource_class, state, model_code,
                    fairness_units, provider_slot_units, estimated_cost_units, enqueue_at, next_eligible_at, policy_version,
                    estimate_version, idempotency_key, created_at, updated_at, mode, prompt, duration_seconds, resolution,
-                   with_audio, interactive, inputs, normalized_params, gpu_units, media_units, admission_decision)
-               values (%s, %s, %s, %s, %s, %s, %s, 'QUEUED', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
+                   with_audio, interactive, inputs, normalized_params, gpu_units, media_units, admission_decision, project_id)
+               values (%s, %s, %s, %s, %s, %s, %s, 'QUEUED', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s,
+                       %s)""",
             (task_id, caller.tenant_id, caller.user_id, lane, band, band, est.resource_class, est.model, u,
              est.provider_slot_units, est.estimated_cost_units, now, now, policy["policy_version"], est.estimate_version, key,
              now, now, est.mode, req.prompt, est.duration_seconds, est.resolution, est.with_audio, est.interactive,
              json.dumps([i.model_dump() for i in req.inputs]), json.dumps(est.normalized_params()), est.gpu_units,
-             est.media_units, decision),
+             est.media_units, decision, caller.project),
         )
         try:
             reserve(conn, wallet=wallet, task_id=task_id, quoted_amount=q.quoted_amount, amount=q.max_reserve_amount,

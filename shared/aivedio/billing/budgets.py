@@ -17,6 +17,9 @@ Thresholds, of (reserved + consumed + this amount) / limit (BillingConfig):
   reserved within budget_slope_window_seconds, even far below the limit.
 A refusal raises BudgetExceeded inside the caller's transaction, so nothing is written.
 
+A PROJECT budget's scope id is tenant-qualified (project_scope_id): a project is named by the
+operator on the tenant's API keys, and two tenants may both have a project called "trailers".
+
 A budget in another currency than the amount is never summed with it: a scope whose only budgets
 are in other currencies raises CurrencyMismatch. PostgreSQL decides; a Redis mirror of burn rates
 may pre-filter but never overrules it."""
@@ -30,21 +33,21 @@ from uuid import UUID
 import psycopg
 
 from aivedio.admin import rbac
+from aivedio.auth import validate_project
 from aivedio.billing.errors import BudgetExceeded, CurrencyMismatch
 from aivedio.config import BillingConfig
-from aivedio.errors import InvalidRequest
+from aivedio.errors import InvalidRequest, NotFound
 from aivedio.observability import logger, metrics
 
 SCOPES = ("TENANT", "PROJECT", "PROVIDER_ACCOUNT", "MODEL", "REGION", "GLOBAL")
 QUANTUM = Decimal("0.00000001")
 
-LOCK_BUDGETS = """
+BUDGETS_OF_SCOPES = """
 select * from budget_account
  where (scope_type, scope_id) in (select * from unnest(%(types)s::text[], %(ids)s::text[]))
    and period_start <= %(now)s and period_end > %(now)s
- order by budget_id
- for update
 """
+LOCK_BUDGETS = BUDGETS_OF_SCOPES + " order by budget_id for update"
 
 WINDOW_RESERVED = """
 select coalesce(sum(amount), 0) as n from budget_reservation where budget_id = %s and created_at > %s
@@ -56,6 +59,23 @@ class BudgetCheck:
     level: int  # the highest threshold reached: 0, alert, restrict (never reject: that raises)
     reserved: tuple[UUID, ...] = ()  # budgets reserved against
     alerts: tuple[str, ...] = field(default_factory=tuple)
+
+
+def project_scope_id(tenant_id: UUID, project: str) -> str:
+    """The PROJECT scope id of a tenant's project: the one spelling admission, the claim and
+    set_budget all use, so a tenant's tasks only ever reach its own project budgets."""
+    return f"{tenant_id}:{project}"
+
+
+def _project_tenant(scope_id: str) -> UUID | None:
+    """The tenant of a PROJECT scope id, or None when the id is not project_scope_id's spelling."""
+    tenant, _, project = scope_id.partition(":")
+    try:
+        tenant_id = UUID(tenant)
+        validate_project(project)
+    except (ValueError, InvalidRequest):
+        return None
+    return tenant_id if project_scope_id(tenant_id, project) == scope_id else None
 
 
 def set_budget(conn: psycopg.Connection, *, operator: str, scope_type: str, scope_id: str, period_start: datetime,
@@ -72,8 +92,19 @@ def set_budget(conn: psycopg.Connection, *, operator: str, scope_type: str, scop
         bad["limit_amount"] = "not negative"
     if not currency:
         bad["currency"] = "required"
+    if scope_type == "PROJECT" and scope_id:
+        # A budget under any other spelling would never be reserved against: refuse it here.
+        owner = _project_tenant(scope_id)
+        if owner is None:
+            bad["scope_id"] = "TENANT_ID:PROJECT for a PROJECT budget (the tenant's uuid, a colon, the key's project)"
+        elif tenant_id is not None and tenant_id != owner:
+            bad["tenant_id"] = f"the PROJECT scope's tenant, {owner}"
+        else:
+            tenant_id = owner
     if bad:
         raise InvalidRequest("invalid budget", bad)
+    if scope_type == "PROJECT" and conn.execute("select 1 from tenant where tenant_id = %s", (tenant_id,)).fetchone() is None:
+        raise NotFound(f"no tenant {tenant_id}", details={"tenant_id": str(tenant_id)})
     row = conn.execute(
         """insert into budget_account (scope_type, scope_id, tenant_id, period_start, period_end, limit_amount, currency)
            values (%s, %s, %s, %s, %s, %s, %s)
@@ -219,7 +250,7 @@ def status(conn: psycopg.Connection, *, now: datetime, config: BillingConfig) ->
     return out
 
 
-# --- where budgets act: admission (the tenant's and the platform's) and the claim (every scope) ----
+# --- where budgets act: admission (tenant, project, platform) and the claim (every scope) -----------
 
 GLOBAL_SCOPE_ID = "*"
 LOW_PRIORITY_BAND = 4  # P4 (best-effort work) is what a budget at its restrict level refuses, with costly work
@@ -239,17 +270,30 @@ def in_force(platform) -> bool:
     return cached(platform, "budgets_in_force", load)
 
 
-def attempt_scopes(tenant_id: UUID, provider: str, account: str, model: str, region: str | None) -> list[tuple[str, str]]:
-    """The scopes an attempt's provider spend counts against (PROJECT has no source in a task yet)."""
-    return [("TENANT", str(tenant_id)), ("PROVIDER_ACCOUNT", f"{provider}:{account}"), ("MODEL", model),
+def _owner_scopes(tenant_id: UUID, project: str | None) -> list[tuple[str, str]]:
+    """The tenant's scope, and its project's when the work has one (the project of the caller's key)."""
+    scopes = [("TENANT", str(tenant_id))]
+    if project is not None:
+        scopes.append(("PROJECT", project_scope_id(tenant_id, project)))
+    return scopes
+
+
+def attempt_scopes(tenant_id: UUID, provider: str, account: str, model: str, region: str | None, *,
+                   project: str | None = None) -> list[tuple[str, str]]:
+    """The scopes an attempt's provider spend counts against."""
+    return [*_owner_scopes(tenant_id, project), ("PROVIDER_ACCOUNT", f"{provider}:{account}"), ("MODEL", model),
             ("REGION", region or ""), ("GLOBAL", GLOBAL_SCOPE_ID)]
 
 
-def admission_budgets(conn: psycopg.Connection, tenant_id: UUID, now: datetime) -> list[dict]:
-    """The budgets admission answers to: the tenant's own and the platform's (GLOBAL)."""
-    return conn.execute(
-        """select * from budget_account where (scope_type, scope_id) in (('TENANT', %s), ('GLOBAL', %s))
-              and period_start <= %s and period_end > %s""", (str(tenant_id), GLOBAL_SCOPE_ID, now, now)).fetchall()
+def admission_scopes(tenant_id: UUID, project: str | None = None) -> list[tuple[str, str]]:
+    """The scopes admission answers to: the tenant's own (and its project's) and the platform's."""
+    return [*_owner_scopes(tenant_id, project), ("GLOBAL", GLOBAL_SCOPE_ID)]
+
+
+def admission_budgets(conn: psycopg.Connection, tenant_id: UUID, now: datetime, *, project: str | None = None) -> list[dict]:
+    """The budgets in force at the admission scopes."""
+    scopes = admission_scopes(tenant_id, project)
+    return conn.execute(BUDGETS_OF_SCOPES, {"types": [s for s, _ in scopes], "ids": [i for _, i in scopes], "now": now}).fetchall()
 
 
 def refusal(rows: list[dict], *, config: BillingConfig, costly: bool, low_priority: bool) -> str | None:
@@ -266,9 +310,10 @@ def refusal(rows: list[dict], *, config: BillingConfig, costly: bool, low_priori
 
 # --- the burn-rate mirror in Redis ---------------------------------------------------------------------
 # Each scope's budgets as PostgreSQL last showed them (usage of the limit), kept a few seconds. It
-# only spares admission a query: a fresh mirror that shows every budget of the tenant and the
-# platform below the restrict level lets the request through unchecked; anything else (missing,
-# stale, near a threshold, Redis down) is decided by PostgreSQL, which also refreshes the mirror.
+# only spares admission a query: a fresh mirror that shows every budget of the admission scopes
+# (tenant, project, platform) below the restrict level lets the request through unchecked;
+# anything else (missing, stale, near a threshold, Redis down) is decided by PostgreSQL, which also
+# refreshes the mirror.
 # The claim always reserves in PostgreSQL, so a mirror that lags can never overspend a budget.
 
 MIRROR_TTL_SECONDS = 5
@@ -289,28 +334,27 @@ def mirror_write(cache, scope_type: str, scope_id: str, rows: list[dict]) -> Non
         pass
 
 
-def mirror_clear(cache, tenant_id: UUID, config: BillingConfig) -> bool:
-    """True when the mirror alone shows the tenant's and the platform's budgets below the restrict
+def mirror_clear(cache, tenant_id: UUID, config: BillingConfig, *, project: str | None = None) -> bool:
+    """True when the mirror alone shows every budget of the admission scopes below the restrict
     level; False means: ask PostgreSQL."""
     from aivedio.cache.client import CacheUnavailable
 
     try:
-        values = cache.run(cache.r.mget, [_mirror_key(cache, "TENANT", str(tenant_id)),
-                                          _mirror_key(cache, "GLOBAL", GLOBAL_SCOPE_ID)])
+        values = cache.run(cache.r.mget, [_mirror_key(cache, *s) for s in admission_scopes(tenant_id, project)])
     except CacheUnavailable:
         return False
     return all(v is not None and float(v) < config.budget_restrict_pct for v in values)
 
 
-def check_admission(platform, *, tenant_id: UUID, costly: bool, low_priority: bool) -> str | None:
+def check_admission(platform, *, tenant_id: UUID, costly: bool, low_priority: bool, project: str | None = None) -> str | None:
     """refusal() of the admission budgets, through the mirror: Redis speeds the usual answer up,
     PostgreSQL decides."""
     config = platform.config.billing
-    if platform.cache is not None and mirror_clear(platform.cache, tenant_id, config):
+    if platform.cache is not None and mirror_clear(platform.cache, tenant_id, config, project=project):
         return None
     with platform.db.connection() as conn:
-        rows = admission_budgets(conn, tenant_id, platform.clock.now())
+        rows = admission_budgets(conn, tenant_id, platform.clock.now(), project=project)
     if platform.cache is not None:
-        mirror_write(platform.cache, "TENANT", str(tenant_id), rows)
-        mirror_write(platform.cache, "GLOBAL", GLOBAL_SCOPE_ID, rows)
+        for scope in admission_scopes(tenant_id, project):
+            mirror_write(platform.cache, *scope, rows)
     return refusal(rows, config=config, costly=costly, low_priority=low_priority)

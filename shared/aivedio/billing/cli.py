@@ -298,7 +298,7 @@ def register_admin(admin) -> None:
     budget = admin.add_parser("budget", help="provider spend budgets").add_subparsers(dest="budget_command", required=True)
     bs = _common(budget.add_parser("set", help="create or change a budget"))
     bs.add_argument("--scope-type", required=True, choices=["TENANT", "PROJECT", "PROVIDER_ACCOUNT", "MODEL", "REGION", "GLOBAL"])
-    bs.add_argument("--scope-id", required=True)
+    bs.add_argument("--scope-id", required=True, help="GLOBAL: '*'; PROJECT: TENANT_ID:PROJECT (see `admin api-key create`)")
     bs.add_argument("--limit", required=True, type=Decimal)
     bs.add_argument("--currency", default="USD")
     bs.add_argument("--period-start", required=True, type=_dt)

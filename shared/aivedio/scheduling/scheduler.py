@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from uuid import UUID
 
 import psycopg
@@ -25,6 +26,9 @@ from aivedio.scheduling.ring import Ring
 # Lanes whose tasks may borrow the enterprise lane's idle capacity (bounded by borrowable_units).
 BORROWERS = ("PAID_SHARED", "STANDARD")
 PAUSED_WHEN_CONSERVATIVE = ("BEST_EFFORT", "EXPENSIVE")
+# A task whose project budget is spent is looked at again after this long (the budget may be raised,
+# or a reservation released, meanwhile).
+PROJECT_BUDGET_RETRY_SECONDS = 60
 
 
 @dataclass
@@ -169,6 +173,11 @@ class Scheduler:
                 except NoRoom as e:
                     if e.key == "task:moved":
                         continue
+                    if e.key.startswith("project:"):
+                        # Its project's budget is spent: the task waits a while, and the tenant's other
+                        # projects go on (capping the tenant would let it block them for a whole period).
+                        self._defer(conn, lane, task, now, e.key)
+                        continue
                     if e.tenant_bound:
                         outcome = "CAPPED"
                         break
@@ -247,7 +256,7 @@ class Scheduler:
                                                       shards=shards, lease=lease, now=now, prefer=prefer)
                 except NoRoom as e:
                     last = e
-                    if e.tenant_bound or e.key == "task:moved":
+                    if e.tenant_bound or e.key == "task:moved" or e.key.startswith("project:"):
                         raise
                     if e.key.startswith("lane:") or e.key == LENDER_KEY:
                         break  # another provider will not make the lane bigger
@@ -258,12 +267,12 @@ class Scheduler:
         """The claim and the attempt's budget reservation (ch. 20.9.4) under one savepoint: a
         budget that refuses takes the claim back. A tenant's own budget caps the tenant; any other
         scope is a route without room, so the next route (another account, region) is tried."""
+        scopes = budgets.attempt_scopes(task["tenant_id"], r.provider, r.account, r.model, r.region, project=task["project_id"])
         try:
             with conn.transaction():
                 c = claim(conn, task, r, policy, lane_key=lane_key, borrowed=borrowed, shards=shards,
                           lease_seconds=lease, now=now, ensured=self._ensured, prefer=prefer)
-                budgets.reserve(conn, scopes=budgets.attempt_scopes(task["tenant_id"], r.provider, r.account, r.model, r.region),
-                                amount=r.expected_cost, currency=r.currency, business_key=f"attempt:{c.attempt_id}",
+                budgets.reserve(conn, scopes=scopes, amount=r.expected_cost, currency=r.currency, business_key=f"attempt:{c.attempt_id}",
                                 now=now, config=self.platform.config.billing, attempt_id=c.attempt_id,
                                 task_id=task["task_id"], tenant_id=task["tenant_id"], costly=task["queue_class"] == "EXPENSIVE",
                                 low_priority=task["priority_band"] >= budgets.LOW_PRIORITY_BAND)
@@ -272,7 +281,17 @@ class Scheduler:
             scope = (e.details or {}).get("scope", "")
             if scope.startswith("TENANT:"):
                 raise NoRoom(f"tenant:{task['tenant_id']}:budget") from None
+            if scope.startswith("PROJECT:"):  # no other route gives it room; the visit defers the task
+                raise NoRoom(f"project:{task['tenant_id']}:{task['project_id']}:budget") from None
             raise NoRoom(f"budget:{scope or 'unknown'}") from None
+
+    def _defer(self, conn, lane: str, task: dict, now, key: str) -> None:
+        eligible = now + timedelta(seconds=PROJECT_BUDGET_RETRY_SECONDS)
+        conn.execute("update generation_task set next_eligible_at = %s where task_id = %s and state = 'QUEUED'",
+                     (eligible, task["task_id"]))
+        logger.info("task deferred: its project's budget is spent", extra={
+            "lane": lane, "tenant_id": str(task["tenant_id"]), "task_id": str(task["task_id"]), "budget": key,
+            "next_eligible_at": eligible.isoformat()})
 
     def _intervene(self, conn, lane: str, task: dict, kind: str, detail: dict) -> None:
         import json
