@@ -360,6 +360,7 @@ def _write(conn: psycopg.Connection, plans: list[_Plan], results: list, now: dat
                          provider_account=p.ev.provider_account, provider_job_id=p.ev.provider_job_id, charge_id=p.ev.charge_id,
                          provider_charged=p.ev.provider_charged, usage=p.ev.usage, occurred_at=p.ev.finished_at or now,
                          event_type=p.item.event_type, event_id=p.item.event_id) for p in plans])
+    settled = []
     for p, cost in zip(plans, recorded):
         d, tenant_id = p.decision, p.charge["tenant_id"]
         applied, rejected = refunds_done.get(p.index, (0, 0))
@@ -367,13 +368,15 @@ def _write(conn: psycopg.Connection, plans: list[_Plan], results: list, now: dat
         metrics.add("settlement.settled", outcome=p.state)
         if d.absorbed:
             metrics.add("settlement.absorbed_credits", d.absorbed)
-        logger.info("task settled", extra={"tenant_id": str(tenant_id), "task_id": str(p.ev.task_id),
-                                           "attempt_id": str(p.ev.attempt_id) if p.ev.attempt_id else None,
-                                           "outcome": p.outcome_key, "charged": d.amount, "released": released,
-                                           "absorbed": d.absorbed, "policy": d.policy, "cost": cost.status})
+        settled.append({"tenant_id": str(tenant_id), "task_id": str(p.ev.task_id),
+                        "attempt_id": str(p.ev.attempt_id) if p.ev.attempt_id else None, "outcome": p.outcome_key,
+                        "charged": d.amount, "released": released, "absorbed": d.absorbed, "policy": d.policy,
+                        "cost": cost.status})
         results[p.index] = Settlement("SETTLED", p.ev.task_id, charged=d.amount, released=released, absorbed=d.absorbed,
                                       reason_code=d.reason_code, refunds_applied=applied, refunds_rejected=rejected,
                                       settle_ledger_txn_id=p.closing.settle_txn_id)
+    # One line per transaction, each task in it with its figures (a log query finds a task_id inside).
+    logger.info("tasks settled", extra={"count": len(settled), "tasks": settled})
 
 
 def _ids(item: Terminal) -> dict[str, Any]:
