@@ -12,6 +12,7 @@ from psycopg import sql
 
 from aivedio.bench.http_load import run_load
 from aivedio.bench.pgbench import with_database
+from aivedio.bench.workers import join_or_kill
 from aivedio.config import PlatformConfig, Settings
 
 BODY = {"model": "video-model-x", "mode": "text_to_video", "prompt": "bench", "duration_seconds": 5, "resolution": "720p"}
@@ -77,10 +78,7 @@ def bench_admission(admin_url: str, redis_url: str | None, *, workers: int, clie
                                 rate_total=max(1.0, sustained["accepted_per_second"] / 2))
             finally:
                 stop.set()
-                for proc in procs:
-                    proc.join(timeout=30)
-                    if proc.is_alive():
-                        proc.kill()
+                join_or_kill(procs)
             with p.db.connection() as conn:
                 # Every accepted request must have reserved exactly once: the benchmark checks itself.
                 row = conn.execute("""select (select count(*) from generation_task) as tasks,

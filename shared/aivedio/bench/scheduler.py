@@ -25,6 +25,7 @@ import uuid
 from contextlib import contextmanager
 
 from aivedio.bench.admission import scratch_database
+from aivedio.bench.workers import join_or_kill, raise_first_error
 from aivedio.config import LaneConfig, Limits, Pools, PlatformConfig, ProviderAccount, ProviderConfig, Settings
 from aivedio.observability import logger
 
@@ -274,13 +275,8 @@ def bench_claims(admin_url: str, redis_url: str | None, *, workers: int, seconds
         finally:
             go.set()
             release.set()
-            for proc in procs:
-                proc.join(timeout=30)
-                if proc.is_alive():
-                    proc.kill()
-        errors = [r["error"] for r in results if "error" in r]
-        if errors:
-            raise RuntimeError(f"scheduler worker failed: {errors[0]}")
+            join_or_kill(procs)
+        raise_first_error(results, "scheduler worker")
         with p.db.connection() as conn:
             after = db_counts(conn)
     claims = sum(r["claims"] for r in results)

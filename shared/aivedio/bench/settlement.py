@@ -20,6 +20,7 @@ import uuid
 from datetime import datetime, timezone
 
 from aivedio.bench.admission import scratch_database
+from aivedio.bench.workers import join_or_kill, raise_first_error
 from aivedio.config import PlatformConfig, Settings
 from aivedio.observability import logger
 
@@ -176,13 +177,8 @@ def bench_settlement(admin_url: str, *, workers: int, seconds: float, tenants: i
                 results = [out.get(timeout=seconds + 180) for _ in procs]
             finally:
                 go.set()
-                for proc in procs:
-                    proc.join(timeout=30)
-                    if proc.is_alive():
-                        proc.kill()
-            errors = [r["error"] for r in results if "error" in r]
-            if errors:
-                raise RuntimeError(f"settlement bench worker failed: {errors[0]}")
+                join_or_kill(procs)
+            raise_first_error(results, "settlement bench worker")
             with p.db.connection() as conn:
                 check = conn.execute(
                     """select (select count(*) from ledger_transaction where event_type = 'SETTLE') as settles,

@@ -1,0 +1,17 @@
+"""What every benchmark does with its worker processes once the measurement is over."""
+from __future__ import annotations
+
+
+def join_or_kill(procs, timeout: float = 30) -> None:
+    """Wait for each worker to finish; kill one that does not within `timeout` seconds."""
+    for proc in procs:
+        proc.join(timeout=timeout)
+        if proc.is_alive():
+            proc.kill()
+
+
+def raise_first_error(results: list[dict], what: str) -> None:
+    """A worker that failed reports {"error": ...}: the benchmark fails with the first one."""
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise RuntimeError(f"{what} failed: {errors[0]}")
