@@ -165,6 +165,10 @@ class _Plan:
     closing: Closing
     open_before: int
 
+    @property
+    def released(self) -> int:
+        return self.open_before - self.decision.amount
+
 
 def settle(conn: psycopg.Connection, payload: dict[str, Any], now: datetime, *, event_type: str | None = None,
            event_id: UUID | str | None = None) -> Settlement:
@@ -350,7 +354,7 @@ def _write(conn: psycopg.Connection, plans: list[_Plan], results: list, now: dat
         d, tenant_id, txn = p.decision, p.charge["tenant_id"], p.closing.settle_txn_id
         events.append((p.ev.task_id, tenant_id, {
             "task_id": str(p.ev.task_id), "tenant_id": str(tenant_id), "outcome": p.outcome_key, "charged": d.amount,
-            "released": p.open_before - d.amount, "absorbed": d.absorbed, "policy": d.policy, "reason_code": d.reason_code,
+            "released": p.released, "absorbed": d.absorbed, "policy": d.policy, "reason_code": d.reason_code,
             "settle_ledger_txn_id": str(txn) if txn else None, "refunds_applied": applied, "refunds_rejected": rejected}))
     outbox.write_events(conn, SETTLED_EVENT, aggregate_type="generation_task", events=events)
     # Last, as it is the one write that awaits an answer: the providers' costs, apart from the price.
@@ -364,15 +368,14 @@ def _write(conn: psycopg.Connection, plans: list[_Plan], results: list, now: dat
     for p, cost in zip(plans, recorded):
         d, tenant_id = p.decision, p.charge["tenant_id"]
         applied, rejected = refunds_done.get(p.index, (0, 0))
-        released = p.open_before - d.amount
         metrics.add("settlement.settled", outcome=p.state)
         if d.absorbed:
             metrics.add("settlement.absorbed_credits", d.absorbed)
         settled.append({"tenant_id": str(tenant_id), "task_id": str(p.ev.task_id),
                         "attempt_id": str(p.ev.attempt_id) if p.ev.attempt_id else None, "outcome": p.outcome_key,
-                        "charged": d.amount, "released": released, "absorbed": d.absorbed, "policy": d.policy,
+                        "charged": d.amount, "released": p.released, "absorbed": d.absorbed, "policy": d.policy,
                         "cost": cost.status})
-        results[p.index] = Settlement("SETTLED", p.ev.task_id, charged=d.amount, released=released, absorbed=d.absorbed,
+        results[p.index] = Settlement("SETTLED", p.ev.task_id, charged=d.amount, released=p.released, absorbed=d.absorbed,
                                       reason_code=d.reason_code, refunds_applied=applied, refunds_rejected=rejected,
                                       settle_ledger_txn_id=p.closing.settle_txn_id)
     # One line per transaction, each task in it with its figures (a log query finds a task_id inside).

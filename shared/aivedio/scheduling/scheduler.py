@@ -63,7 +63,7 @@ def head_tasks(conn, lane: str, tenant_id: UUID, now, limit: int) -> list[dict]:
 
 
 def _waiting(conn, lane: str, tenant_id: UUID) -> bool:
-    """Whether the tenant has queued tasks in the lane that are not eligible yet."""
+    """Whether the tenant has queued tasks in the lane (asked when none of them is eligible now)."""
     return conn.execute(
         "select exists(select 1 from generation_task where state = 'QUEUED' and queue_class = %s and tenant_id = %s) as w",
         (lane, tenant_id)).fetchone()["w"]
@@ -329,8 +329,8 @@ class Scheduler:
         room is scarce it is 1: the classic turn, a quantum each, so a newcomer waits about one slot
         per backlogged tenant (ch. 18.6). With room to spare, a turn takes that many quanta: the same
         weighted shares in fewer visits. Without the ring's size (conservative mode) it is 1."""
-        if not ring_size:
-            return 1
+        if not ring_size or view.free < 2 * ring_size * self.cfg.base_quantum:
+            return 1  # (not even two rounds at weight 1: no need to read the weights)
         return max(1, view.free // (ring_size * self.cfg.base_quantum * self._max_weight()))
 
     def _max_weight(self) -> int:
