@@ -6,7 +6,8 @@ The dependencies are the runtime `dependencies` of pyproject.toml, installed as 
 the Lambda runtime (`pip install --platform ... --implementation cp --python-version 3.12
 --only-binary=:all:`), so the build works on any machine with pip and network access to the
 package index, and never compiles anything. boto3/botocore are left out: the Lambda runtime ships
-them, and they would add ~25 MB. Then shared/aivedio is copied in.
+them, and they would add ~25 MB. Then shared/aivedio is copied in, less the tools that no function
+runs (DEV_ONLY_MODULES: the local runtime, simulator, bench, demo and CLI).
 
 pip runs only when the dependency list, the Python version or the platforms change (a stamp file
 records them); the package copy is refreshed every time, so `make synth` stays fast.
@@ -38,6 +39,12 @@ ARCHITECTURE = "x86_64"
 # manylinux_2_28 wheels (which some packages publish instead) run there too.
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_28_x86_64")
 PROVIDED_BY_RUNTIME = {"boto3", "botocore"}
+# Tools around the platform, never run by a function: kept out of the layer, and a test
+# (tests/infra/test_lambda_cold_start.py) checks that no handler's import graph reaches them.
+DEV_ONLY_MODULES = ("aivedio.local", "aivedio.simulate", "aivedio.bench", "aivedio.demo", "aivedio.cli",
+                    "aivedio.admin.cli", "aivedio.billing.cli", "aivedio.reconcile.cli", "aivedio.providers.cli",
+                    "aivedio.providers.simulator")
+LAMBDA_UNZIPPED_LIMIT_BYTES = 250 * 1024 * 1024  # layers and function code together
 
 
 def _name(requirement: str) -> str:
@@ -64,11 +71,35 @@ def _stamp(requirements: list[str]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def copy_package(site: Path = SITE_DIR) -> None:
+def is_dev_only(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in DEV_ONLY_MODULES)
+
+
+def _dev_only_paths(src: Path = PACKAGE_SRC) -> set[Path]:
+    out = set()
+    for m in DEV_ONLY_MODULES:
+        rel = Path(*m.split(".")[1:])
+        out |= {p for p in (src / rel, src / rel.with_suffix(".py")) if p.exists()}
+    return out
+
+
+def copy_package(site: Path = SITE_DIR, src: Path = PACKAGE_SRC) -> Path:
+    """shared/aivedio into site/aivedio, without caches and without the dev-only modules."""
     dest = site / "aivedio"
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(PACKAGE_SRC, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+    skipped = _dev_only_paths(src)
+    generic = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        return set(generic(directory, names)) | {n for n in names if Path(directory, n) in skipped}
+
+    shutil.copytree(src, dest, ignore=ignore)
+    return dest
+
+
+def unzipped_size(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
 def build(force: bool = False) -> Path:
@@ -95,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(pip_command(runtime_requirements())))
         return 0
     out = build(force=args.force)
-    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"layer: {out} ({size / 1e6:.1f} MB unzipped; Lambda allows 250 MB with the function code)")
+    size = unzipped_size(out)
+    print(f"layer: {out} ({size / 2**20:.1f} MiB unzipped of Lambda's {LAMBDA_UNZIPPED_LIMIT_BYTES / 2**20:.0f} MiB "
+          "for layers and function code together)")
+    if size > LAMBDA_UNZIPPED_LIMIT_BYTES:
+        print("layer: over Lambda's unzipped limit; the functions would not deploy", file=sys.stderr)
+        return 1
     return 0
 
 

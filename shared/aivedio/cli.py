@@ -23,21 +23,23 @@ def _emit(doc: Any, as_json: bool) -> None:
 
 def _platform(args: argparse.Namespace, migrate: bool = True, **kw):
     from aivedio.context import build_platform
+    from aivedio.local.embedded import with_embedded_servers
 
     settings = settings_from_env()
     if getattr(args, "config", None):
         settings = settings.model_copy(update={"config_file": args.config})
     config = load_config(settings.config_file)
-    return build_platform(settings, config, migrate=migrate, **kw)
+    return build_platform(with_embedded_servers(settings), config, migrate=migrate, **kw)
 
 
 def cmd_db_migrate(args: argparse.Namespace) -> int:
     from aivedio.context import resolve_urls
     from aivedio.db.migrate import migrate
     from aivedio.db.pool import connect_or_fail
+    from aivedio.local.embedded import with_embedded_servers
 
-    settings = settings_from_env()
-    db_url, _ = resolve_urls(settings.model_copy(update={"redis_url": "none"}))
+    settings = with_embedded_servers(settings_from_env().model_copy(update={"redis_url": "none"}))
+    db_url, _ = resolve_urls(settings)
     connect_or_fail(db_url)
     applied = migrate(db_url)
     _emit({"applied": applied}, args.json)

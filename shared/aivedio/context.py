@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aivedio.cache.client import Cache, connect_cache_or_fail
-from aivedio.config import Clock, PlatformConfig, Settings, load_config, settings_from_env
+from aivedio.config import Clock, ConfigError, PlatformConfig, Settings, load_config, settings_from_env
 from aivedio.db.pool import Database, connect_or_fail, with_password
 
 
@@ -35,20 +35,21 @@ class Platform:
 
 
 def resolve_urls(settings: Settings) -> tuple[str, str | None]:
-    """The database and Redis URLs to use, starting embedded servers where none is given. A Redis
-    secret (AWS) supplies the credentials the URL in the environment leaves out."""
-    from aivedio.local import embedded
-
-    db_url = settings.database_url or embedded.embedded_postgres_url(settings.home)
+    """The database and Redis URLs to use. Both must be given: the local tools fill them with the
+    embedded servers first (aivedio.local.embedded.with_embedded_servers), and a deployed function
+    never starts a server. A Redis secret (AWS) supplies the credentials the URL leaves out."""
+    if settings.database_url is None:
+        raise ConfigError("AIVEDIO_DATABASE_URL: not set (a postgresql:// URL is required here)")
     if settings.redis_disabled:
-        redis_url = None
-    else:
-        redis_url = settings.redis_url or embedded.embedded_redis_url(settings.home)
-        if settings.redis_secret_arn:
-            from aivedio.cloud_credentials import redis_url_with_secret
+        return settings.database_url, None
+    if settings.redis_url is None:
+        raise ConfigError("AIVEDIO_REDIS_URL: not set (a redis:// URL, or 'none' for conservative mode)")
+    redis_url = settings.redis_url
+    if settings.redis_secret_arn:
+        from aivedio.cloud_credentials import redis_url_with_secret
 
-            redis_url = redis_url_with_secret(redis_url, settings.redis_secret_arn)
-    return db_url, redis_url
+        redis_url = redis_url_with_secret(redis_url, settings.redis_secret_arn)
+    return settings.database_url, redis_url
 
 
 def database_password(settings: Settings, db_url: str):

@@ -52,10 +52,11 @@ def run_demo(*, tasks: int = 60, time_scale: float = 30.0, timeout_seconds: floa
     from aivedio.admin.tenants import create_tenant
     from aivedio.config import settings_from_env
     from aivedio.context import build_platform
+    from aivedio.local.embedded import with_embedded_servers
     from aivedio.local.runtime import LocalRuntime
 
     rng = random.Random(seed)
-    settings = settings_from_env()
+    settings = with_embedded_servers(settings_from_env())
     platform = build_platform(settings, config or demo_config(time_scale), migrate=True)
     rt = LocalRuntime(platform, port=0)
     say = (lambda msg: sys.stderr.write(msg + "\n")) if progress else (lambda msg: None)

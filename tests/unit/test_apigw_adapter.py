@@ -98,7 +98,7 @@ def test_malformed_responses_are_rejected(bad):
         from_response(bad)
 
 
-def test_event_drives_the_real_api_handler_to_a_404():
+def test_event_drives_the_real_api_handler_to_a_404(platform):
     from aivedio.local.lambda_context import FakeLambdaContext
     from functions.api.handler import lambda_handler
 

@@ -14,6 +14,10 @@ from aivedio.observability import logger
 LOCAL_STEP_RESOURCE = "local:attempt_step"
 
 
+class ExecutionAlreadyExists(Exception):
+    """A workflow runner already has an execution of this name (the local runner raises it)."""
+
+
 def execution_name(ref: AttemptRef, recoveries: int = 0) -> str:
     return str(ref.attempt_id) if recoveries == 0 else f"{ref.attempt_id}-r{recoveries}"
 
@@ -45,8 +49,6 @@ def start_with(settings: Settings, extras: dict, ref: AttemptRef, *, recoveries:
     runner = extras.get("workflow_runner")
     if runner is None:
         raise RuntimeError("no workflow runner in this process and no AIVEDIO_ATTEMPT_STATE_MACHINE_ARN")
-    from aivedio.local.workflow_runner import ExecutionAlreadyExists
-
     try:
         runner.start_execution(name, local_definition(), doc)
     except ExecutionAlreadyExists:

@@ -12,8 +12,9 @@ def _bench(args: argparse.Namespace) -> int:
     from aivedio.cli import _emit
     from aivedio.config import settings_from_env
     from aivedio.context import resolve_urls
+    from aivedio.local.embedded import with_embedded_servers
 
-    db_url, redis_url = resolve_urls(settings_from_env())
+    db_url, redis_url = resolve_urls(with_embedded_servers(settings_from_env()))
     cpus = os.cpu_count() or 2
     workers = args.workers or max(2, cpus + 1)
     clients = args.clients or 2 * workers

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from aivedio.config import ConfigError
+from aivedio.config import ConfigError, Settings
 
 log = logging.getLogger(__name__)
 _handles: dict[str, Any] = {}  # keeps the servers' owners alive for the life of the process
@@ -58,3 +58,15 @@ def stop_embedded() -> None:
         except Exception as e:  # stopping is best effort at exit
             log.warning("stopping %s: %s", key, e)
         _handles.pop(key, None)
+
+
+def with_embedded_servers(settings: Settings) -> Settings:
+    """`settings` with the embedded servers' URLs wherever no URL was given: the local tools'
+    default (`serve`, `demo`, `simulate`, `bench`, the CLI). The deployed platform never starts a
+    server: aivedio.context refuses settings without URLs."""
+    update: dict[str, str] = {}
+    if settings.database_url is None:
+        update["database_url"] = embedded_postgres_url(settings.home)
+    if settings.redis_url is None:
+        update["redis_url"] = embedded_redis_url(settings.home)
+    return settings.model_copy(update=update) if update else settings

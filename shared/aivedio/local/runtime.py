@@ -305,7 +305,7 @@ def _default_api_url(settings: Settings, host: str, port: int) -> Settings:
 def serve(settings: Settings, port: int = 8080, host: str = "127.0.0.1") -> int:
     """Run until SIGINT/SIGTERM; then stop the loops, the server, the platform and the embedded
     servers this process started. Returns the exit code."""
-    from aivedio.local.embedded import stop_embedded
+    from aivedio.local.embedded import stop_embedded, with_embedded_servers
 
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -314,7 +314,7 @@ def serve(settings: Settings, port: int = 8080, host: str = "127.0.0.1") -> int:
     try:
         config = load_config(settings.config_file)
         settings = _default_api_url(settings, host, port)
-        platform = build_platform(settings, config, migrate=True)
+        platform = build_platform(with_embedded_servers(settings), config, migrate=True)
         rt = LocalRuntime(platform, port=port, host=host)
         try:
             rt.start()

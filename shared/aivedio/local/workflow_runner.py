@@ -22,14 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from aivedio.attempts.executions import ExecutionAlreadyExists  # noqa: F401 - raised here, caught where executions start
+
 log = logging.getLogger(__name__)
 
 Resource = Callable[[dict[str, Any]], Any]
 FINISHED_NAMES_KEPT = 100_000  # names of closed executions, refused again as Step Functions does
 
-
-class ExecutionAlreadyExists(Exception):
-    pass
 
 
 class StatesError(Exception):

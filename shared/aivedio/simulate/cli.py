@@ -24,13 +24,14 @@ def _simulate(args: argparse.Namespace) -> int:
     from aivedio.cli import _emit
     from aivedio.config import settings_from_env
     from aivedio.context import resolve_urls
+    from aivedio.local.embedded import with_embedded_servers
     from aivedio.simulate.runner import run_scenario
 
     logging.getLogger("aivedio.simulate").setLevel(logging.INFO)
     settings = settings_from_env()
     if args.redis == "none":
         settings = settings.model_copy(update={"redis_url": "none"})
-    db_url, redis_url = resolve_urls(settings)
+    db_url, redis_url = resolve_urls(with_embedded_servers(settings))
     policies = ("drr", "fifo") if args.policy == "both" else (args.policy,)
     doc = run_scenario(args.scenario, admin_url=db_url, redis_url=redis_url, policies=policies, params=dict(args.param or []),
                        parallel=not args.serial, quiet=not args.verbose)

