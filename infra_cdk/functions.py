@@ -47,12 +47,14 @@ class FunctionProfile:
     api: bool = False  # fronted by API Gateway
     migrates: bool = False  # invoked by the schema-migration custom resource
     starts_workflow: bool = False  # states:StartExecution on the attempt state machine
+    provider_credentials: bool = False  # reads the provider secret: calls providers or verifies their webhooks
+    submits_jobs: bool = False  # gives providers a callback URL: the API's own (AIVEDIO_API_BASE_URL)
 
 
 PROFILES: dict[str, FunctionProfile] = {
     "api": FunctionProfile(
         "HTTP API behind API Gateway: admission, generations, wallet",
-        memory_mb=1024, timeout_seconds=29, database=True, redis=True, api=True,
+        memory_mb=1024, timeout_seconds=29, database=True, redis=True, api=True, provider_credentials=True,
         # Admission probes input media (aivedio.media.probe): https:// URLs need the internet,
         # s3:// inputs are read from the media bucket's uploads.
         internet=True, media_read_prefixes=("inputs/",)),
@@ -69,7 +71,7 @@ PROFILES: dict[str, FunctionProfile] = {
         "Consumes TaskDispatchRequested: starts the attempt workflow", timeout_seconds=30, starts_workflow=True),
     "attempt_step": FunctionProfile(
         "One step of the attempt workflow: submit, poll, resolve SUBMIT_UNKNOWN, cancel, finalize",
-        timeout_seconds=60, database=True, internet=True),
+        timeout_seconds=60, database=True, internet=True, provider_credentials=True, submits_jobs=True),
     "attempt_recovery": FunctionProfile(
         "Lease scanner: restarts the workflow of attempts whose execution was lost", timeout_seconds=120,
         database=True, starts_workflow=True),
@@ -81,6 +83,8 @@ PROFILES: dict[str, FunctionProfile] = {
     "wallet_check": FunctionProfile(
         "Wallet checks: snapshot vs ledger vs reservations vs lots; freezes and alerts on a mismatch",
         timeout_seconds=600, database=True),
+    "idempotency_purge": FunctionProfile(
+        "Deletes idempotency records past their TTL, in batches", timeout_seconds=300, database=True),
     "db_migrate": FunctionProfile(
         "Applies schema migrations on deploy (custom resource)", timeout_seconds=600, database=True, migrates=True),
 }

@@ -15,6 +15,7 @@ INTERFACE_ENDPOINTS = {
     "Sqs": ec2.InterfaceVpcEndpointAwsService.SQS,
     "StepFunctions": ec2.InterfaceVpcEndpointAwsService.STEP_FUNCTIONS,
     "SecretsManager": ec2.InterfaceVpcEndpointAwsService.SECRETS_MANAGER,
+    "Ssm": ec2.InterfaceVpcEndpointAwsService.SSM,  # the platform config parameter, from isolated subnets
     "Logs": ec2.InterfaceVpcEndpointAwsService.CLOUDWATCH_LOGS,
     "Monitoring": ec2.InterfaceVpcEndpointAwsService.CLOUDWATCH_MONITORING,
     "XRay": ec2.InterfaceVpcEndpointAwsService.XRAY,

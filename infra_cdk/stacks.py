@@ -26,6 +26,7 @@ from infra_cdk.messaging import Messaging
 from infra_cdk.network import Network
 from infra_cdk.nag import suppress
 from infra_cdk.observability import Observability
+from infra_cdk.platform_config import PlatformConfigParameter, ProviderCredentials
 from infra_cdk.stages import StageConfig
 from infra_cdk.workflows import Workflows
 
@@ -63,6 +64,7 @@ class DataStack(Stack):
         self.database = Database(self, "Database", stage=stage, vpc=self.network.vpc)
         self.redis = Redis(self, "Redis", stage=stage, vpc=self.network.vpc)
         self.buckets = Buckets(self, "Buckets", stage=stage)
+        self.provider_credentials = ProviderCredentials(self, "ProviderCredentials", stage=stage)
 
 
 class AppStack(Stack):
@@ -72,9 +74,16 @@ class AppStack(Stack):
         tag(self, "aivedio:stage", stage.name)
         self.add_stack_dependency(data) if hasattr(self, "add_stack_dependency") else self.add_dependency(data)
         vpc = data.network.vpc
-        self.functions = Functions(self, "Functions", stage=stage, vpc=vpc, layer_mode=layer_mode, environment={})
+        self.platform_config = PlatformConfigParameter(self, "PlatformConfig", stage=stage)
+        self.functions = Functions(self, "Functions", stage=stage, vpc=vpc, layer_mode=layer_mode, environment={
+            "AIVEDIO_CONFIG_PARAMETER": self.platform_config.parameter.parameter_name})
+        credentials = data.provider_credentials.secret
         for fn in self.functions:
             p = fn.profile
+            self.platform_config.parameter.grant_read(fn.role)
+            if p.provider_credentials:
+                credentials.grant_read(fn.role)
+                fn.add_environment("AIVEDIO_PROVIDER_SECRET_ARN", credentials.secret_arn)
             # allow_to below also asks for egress rules, which an allow-all-outbound group does not need.
             Annotations.of(fn.sg).acknowledge_warning("@aws-cdk/aws-ec2:ipv4IgnoreEgressRule",
                                                       "functions' security groups allow all outbound traffic")
@@ -105,6 +114,11 @@ class AppStack(Stack):
         self.messaging = Messaging(self, "Messaging", stage=stage, functions=self.functions)
         apis = [fn for fn in self.functions if fn.profile.api]
         self.api = Api(self, "Api", stage=stage, fn=apis[0]) if apis else None
+        for fn in self.functions:
+            if fn.profile.submits_jobs:  # providers send webhooks to the API's callback route
+                if self.api is None:
+                    raise SystemExit(f"{fn.name} submits jobs with a callback URL, but no function serves the API")
+                fn.add_environment("AIVEDIO_API_BASE_URL", self.api.api.url)
         # The attempt workflow, from the one definition the local runner also executes; its Tasks
         # invoke attempt_step. Same stack as the functions, so no cross-stack reference cycle.
         self.workflows = Workflows(self, "Workflows", stage=stage, functions=self.functions,

@@ -9,6 +9,7 @@ from aws_cdk import RemovalPolicy
 from aws_cdk import aws_logs as logs
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
+UNRESERVED_MINIMUM = 100  # concurrency Lambda never lets an account reserve
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,22 @@ class StageConfig:
     api_burst_limit: int
     api_quota_per_day: int
     waf_rate_limit_per_ip: int  # requests per 5 minutes per client IP
-    # functions: reserved concurrency of the functions that must be bounded
+    # functions: reserved concurrency. `api` is capped so a flood of requests cannot take the
+    # concurrency the admitted work needs: attempt_step and settlement have their own reservation,
+    # and everything unreserved (the reconcilers, consumers) shares what is left of the account's
+    # quota, of which Lambda always keeps UNRESERVED_MINIMUM unreserved.
     reserved_concurrency: dict[str, int] = field(default_factory=dict)
+    account_concurrency: int = 1000  # the account's Lambda concurrency quota in the region (default quota)
     consumer_max_concurrency: int = 5  # SQS event source scaling cap per consumer
     # media: Batch max vCPUs per resource class
     batch_max_vcpus: dict[str, int] = field(default_factory=dict)
     batch_spot: bool = False
+
+    def __post_init__(self) -> None:
+        reserved = sum(self.reserved_concurrency.values())
+        if reserved + UNRESERVED_MINIMUM > self.account_concurrency:
+            raise ValueError(f"stage {self.name}: {reserved} reserved concurrency leaves less than Lambda's "
+                             f"{UNRESERVED_MINIMUM} unreserved of the account's {self.account_concurrency}")
 
     @property
     def prefix(self) -> str:
@@ -69,7 +80,8 @@ STAGES: dict[str, StageConfig] = {
         removal_policy=RemovalPolicy.DESTROY, log_retention=logs.RetentionDays.TWO_WEEKS, access_log_days=30,
         invoice_lock_mode="GOVERNANCE", invoice_lock_days=1, queue_retention_days=4, unrouted_retention_days=1,
         api_rate_limit=50, api_burst_limit=100, api_quota_per_day=200_000, waf_rate_limit_per_ip=2000,
-        reserved_concurrency={"scheduler_tick": 2, "scheduler_maintenance": 1, "outbox_relay": 2, "db_migrate": 1},
+        reserved_concurrency={"api": 20, "attempt_step": 20, "settlement": 5, "scheduler_tick": 2,
+                              "scheduler_maintenance": 1, "outbox_relay": 2, "db_migrate": 1},
         consumer_max_concurrency=2,
         batch_max_vcpus={"video-standard": 32, "video-4k": 16, "video-v2v": 16}, batch_spot=True,
     ),
@@ -81,7 +93,8 @@ STAGES: dict[str, StageConfig] = {
         removal_policy=RemovalPolicy.RETAIN, log_retention=logs.RetentionDays.ONE_YEAR, access_log_days=365,
         invoice_lock_mode="COMPLIANCE", invoice_lock_days=3653, queue_retention_days=14, unrouted_retention_days=4,
         api_rate_limit=500, api_burst_limit=1000, api_quota_per_day=20_000_000, waf_rate_limit_per_ip=20_000,
-        reserved_concurrency={"scheduler_tick": 4, "scheduler_maintenance": 1, "outbox_relay": 2, "db_migrate": 1},
+        reserved_concurrency={"api": 300, "attempt_step": 400, "settlement": 50, "scheduler_tick": 4,
+                              "scheduler_maintenance": 1, "outbox_relay": 2, "db_migrate": 1},
         consumer_max_concurrency=10,
         batch_max_vcpus={"video-standard": 512, "video-4k": 256, "video-v2v": 128}, batch_spot=False,
     ),

@@ -8,7 +8,8 @@ import psycopg
 from psycopg.rows import dict_row
 
 from aivedio.bootstrap import apply_config
-from aivedio.config import Clock, ConfigError, load_config, settings_from_env
+from aivedio.cloud_config import load_platform_config
+from aivedio.config import Clock, ConfigError, settings_from_env
 from aivedio.context import database_password
 from aivedio.db.migrate import migrate, schema_fingerprint
 from aivedio.db.pool import with_password
@@ -29,7 +30,7 @@ def lambda_handler(event: dict, context) -> dict:
     url = settings.database_url if password is None else with_password(settings.database_url, password())
     applied = migrate(url)
     with psycopg.connect(url, autocommit=True, row_factory=dict_row) as conn:
-        derived = apply_config(conn, load_config(settings.config_file), Clock())
+        derived = apply_config(conn, load_platform_config(settings), Clock())
     logger.info("migrations applied", extra={"applied": applied, "request": request, **derived})
     return {"PhysicalResourceId": PHYSICAL_ID,
             "Data": {"Applied": ",".join(f"{v:04d}" for v in applied), "Fingerprint": schema_fingerprint()}}

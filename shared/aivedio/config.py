@@ -5,15 +5,17 @@ bad file or URL fails at once with one line naming the key, and nothing starts h
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
+import secrets
 import time
 import tomllib
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 LANES = ("ENTERPRISE_RESERVED", "PAID_SHARED", "STANDARD", "BEST_EFFORT", "EXPENSIVE", "RECOVERY")
 SERVICE_CLASSES = ("ENTERPRISE_RESERVED", "PAID_SHARED", "STANDARD", "BEST_EFFORT")
@@ -29,19 +31,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _credentials_absent(info: ValidationInfo) -> bool:
+    """True when the config is loaded without provider credentials on purpose: a deployed function
+    that never talks to a provider is not granted the provider secret (aivedio.cloud_config)."""
+    return bool(info.context and info.context.get("provider_credentials") == "absent")
+
+
+def random_webhook_secret() -> str:
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+
+
 class ProviderAccount(_Strict):
     account_id: str = Field(min_length=1)
-    api_key: str = Field(default="sim-key", min_length=1)  # omitted: "sim-key-<account_id>", one per account
+    # No default: an external provider's key comes from the config file locally and from Secrets
+    # Manager in AWS; a built-in simulator's accounts get random keys (ProviderConfig).
+    api_key: str | None = Field(default=None, min_length=1)
     region: str = "us"
     max_concurrency: int = Field(default=200, gt=0)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _default_key(cls, data: Any) -> Any:
-        # A provider tells accounts apart by their key, so two accounts must not share a default one.
-        if isinstance(data, dict) and data.get("api_key") is None and isinstance(data.get("account_id"), str):
-            data = {**data, "api_key": f"sim-key-{data['account_id']}"}
-        return data
 
 
 class SimulatorBehaviour(_Strict):
@@ -105,9 +111,12 @@ class SimulatorBehaviour(_Strict):
 class ProviderConfig(_Strict):
     name: str = Field(min_length=1, pattern=r"^[a-z0-9][a-z0-9-]*$")
     base_url: str | None = None  # None: a built-in simulator is started for this provider
-    webhook_secret: str = "whsec_c2ltdWxhdG9yLXNlY3JldA=="
+    # No default: required for an external provider; a built-in simulator gets a random one per
+    # process (ProviderConfig._simulator_credentials), shared by the simulator and the receiver.
+    webhook_secret: str | None = Field(default=None, validate_default=True)
     models: list[str] = Field(default_factory=lambda: ["video-model-x"], min_length=1)
-    accounts: list[ProviderAccount] = Field(default_factory=lambda: [ProviderAccount(account_id="account-01")], min_length=1)
+    accounts: list[ProviderAccount] = Field(default_factory=lambda: [ProviderAccount(account_id="account-01")], min_length=1,
+                                            validate_default=True)
     submit_timeout_seconds: float = Field(default=10.0, gt=0)
     max_resolution: Literal["480p", "720p", "1080p", "4k"] = "4k"
     max_duration_seconds: int = Field(default=60, gt=0)
@@ -115,12 +124,54 @@ class ProviderConfig(_Strict):
     currency: str = "USD"
     simulator: SimulatorBehaviour = Field(default_factory=SimulatorBehaviour)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _simulator_credentials(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("base_url") is not None:
+            return data
+        data = dict(data)
+        if not data.get("webhook_secret"):
+            data["webhook_secret"] = random_webhook_secret()
+        accounts = data.get("accounts")
+        if accounts is None:
+            accounts = [{"account_id": "account-01"}]
+        if isinstance(accounts, list):
+            # A provider tells accounts apart by their key, so each simulated account gets its own.
+            data["accounts"] = [
+                {**a, "api_key": f"sim-{a.get('account_id', 'account')}-{secrets.token_urlsafe(12)}"}
+                if isinstance(a, dict) and a.get("api_key") is None else
+                a.model_copy(update={"api_key": f"sim-{a.account_id}-{secrets.token_urlsafe(12)}"})
+                if isinstance(a, ProviderAccount) and a.api_key is None else a
+                for a in accounts]
+        return data
+
     @field_validator("base_url")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
         return v
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _secret(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None and info.data.get("base_url") is not None and not _credentials_absent(info):
+            raise ValueError("required for a provider with a base_url (in AWS: the provider secret in Secrets Manager)")
+        return v
+
+    @field_validator("accounts")
+    @classmethod
+    def _account_keys(cls, v: list[ProviderAccount], info: ValidationInfo) -> list[ProviderAccount]:
+        if info.data.get("base_url") is not None and not _credentials_absent(info):
+            for i, a in enumerate(v):
+                if a.api_key is None:
+                    raise ValueError(f"{i}.api_key: required for account {a.account_id!r} of a provider with a base_url "
+                                     "(in AWS: the provider secret in Secrets Manager)")
+        return v
+
+    @property
+    def has_credentials(self) -> bool:
+        return self.webhook_secret is not None and all(a.api_key is not None for a in self.accounts)
 
 
 class LaneConfig(_Strict):
@@ -201,6 +252,31 @@ class Limits(_Strict):
     aimd_cooldown_seconds: float = Field(default=5.0, ge=0)  # a burst of 429s cuts the limit once, not once per 429
     max_attempt_recoveries: int = Field(default=10, ge=1)  # lease-expiry restarts of one attempt, then MANUAL_REVIEW
     orphan_cancel: bool = True  # cancel provider jobs whose attempt was replaced (they may be billed)
+    # Fetching input media at admission (aivedio.media.probe). These are REAL seconds, not divided by
+    # time_scale: they bound network fetches inside one API invocation, not platform durations.
+    input_fetch_deadline_seconds: float = Field(default=10.0, gt=0)  # one input: resolve, connect, redirects, last byte
+    input_request_deadline_seconds: float = Field(default=20.0, gt=0)  # all inputs of one request together
+    input_max_redirects: int = Field(default=3, ge=0, le=10)  # each hop is checked again like the first
+    # Non-global hosts a probe may fetch from anyway: host names (matched against the URL's host) or IPs and
+    # CIDRs (matched against the resolved address). For tests and local setups; empty in production.
+    probe_allowed_private_hosts: list[str] = Field(default_factory=list)
+
+    @field_validator("probe_allowed_private_hosts")
+    @classmethod
+    def _allowed_hosts(cls, v: list[str]) -> list[str]:
+        import ipaddress
+        import re
+
+        out = []
+        for entry in v:
+            e = entry.strip().lower().rstrip(".")
+            try:
+                ipaddress.ip_network(e, strict=False)
+            except ValueError:
+                if not re.fullmatch(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*", e):
+                    raise ValueError(f"{entry!r} is not a host name, an IP address or a CIDR") from None
+            out.append(e)
+        return out
 
 
 class Pools(_Strict):
@@ -227,6 +303,8 @@ class BillingConfig(_Strict):
     """Billing knobs (ch. 20.6.7, 20.9.4). Credits are integer units; budgets are provider money."""
 
     compensation_dual_approval_above: int = Field(default=1000, ge=0)  # credits; above it two distinct approvers
+    refund_dual_approval_above: int = Field(default=1000, ge=0)  # credits; above it a second operator approves
+    refund_daily_limit_per_operator: int = Field(default=10_000, gt=0)  # credits one operator refunds per UTC day
     credit_expiry_seconds: float = Field(default=60.0, gt=0)  # platform seconds between expiry sweeps (locally)
     expiry_batch: int = Field(default=500, gt=0)  # lots expired per sweep transaction
     wallet_check_seconds: float = Field(default=3600.0, gt=0)  # platform seconds between wallet checks (locally)
@@ -309,6 +387,9 @@ def parse_config(data: dict[str, Any], source: str = "config") -> PlatformConfig
         raise ConfigError(_error_line(source, e)) from None
 
 
+LOCAL_API_BASE_URL = "http://127.0.0.1:8080"
+
+
 class Settings(_Strict):
     """Where state lives. URLs of None mean: start the embedded server under home."""
 
@@ -318,7 +399,9 @@ class Settings(_Strict):
     config_file: Path | None = None
     redis_prefix: str = "av"
     log_level: str = "INFO"
-    api_base_url: str = "http://127.0.0.1:8080"
+    # Where providers send webhooks: the API's own URL. None (a deployed function the stack gave no
+    # URL): submits carry no callback_url and polling alone follows the job.
+    api_base_url: str | None = LOCAL_API_BASE_URL
     event_queue_urls: dict[str, str] = Field(default_factory=dict)  # event_type (or "*") -> SQS queue URL
     # In AWS the environment carries no password (aivedio.cloud_credentials): the database URL names
     # the RDS Proxy and its user, and each connection signs a fresh IAM token; the Redis password is
@@ -328,6 +411,14 @@ class Settings(_Strict):
     # AWS: attempt workflows run as executions of this Step Functions state machine. Unset: the
     # local workflow runner of this process runs them (aivedio.local.workflow_runner).
     attempt_state_machine_arn: str | None = None
+    # The platform media bucket: s3:// inputs are read only from its inputs/<tenant id>/ prefix. Unset:
+    # s3:// inputs are refused (aivedio.media.probe).
+    media_bucket: str | None = None
+    # AWS (aivedio.cloud_config): the platform config is the TOML document in this SSM parameter,
+    # and the provider credentials are in this Secrets Manager secret, read once per cold start.
+    config_parameter: str | None = None
+    provider_secret_arn: str | None = None
+    in_lambda: bool = False  # AWS_LAMBDA_FUNCTION_NAME is set: nothing local may be assumed
 
     @property
     def redis_disabled(self) -> bool:
@@ -341,6 +432,7 @@ def settings_from_env(environ: dict[str, str] | None = None) -> Settings:
         v = env.get(name)
         return v if v not in (None, "") else None
 
+    in_lambda = get("AWS_LAMBDA_FUNCTION_NAME") is not None
     db = get("AIVEDIO_DATABASE_URL")
     if db is not None and not db.startswith(("postgresql://", "postgres://")):
         raise ConfigError(f"AIVEDIO_DATABASE_URL: expected a postgresql:// URL, got {db!r}")
@@ -362,10 +454,14 @@ def settings_from_env(environ: dict[str, str] | None = None) -> Settings:
         config_file=Path(c) if (c := get("AIVEDIO_CONFIG")) else None,
         redis_prefix=get("AIVEDIO_REDIS_PREFIX") or "av",
         log_level=get("AIVEDIO_LOG_LEVEL") or "INFO",
-        api_base_url=get("AIVEDIO_API_BASE_URL") or "http://127.0.0.1:8080",
+        api_base_url=get("AIVEDIO_API_BASE_URL") or (None if in_lambda else LOCAL_API_BASE_URL),
+        config_parameter=get("AIVEDIO_CONFIG_PARAMETER"),
+        provider_secret_arn=get("AIVEDIO_PROVIDER_SECRET_ARN"),
+        in_lambda=in_lambda,
         database_iam_auth=_flag("AIVEDIO_DATABASE_IAM_AUTH", get("AIVEDIO_DATABASE_IAM_AUTH")),
         redis_secret_arn=get("AIVEDIO_REDIS_SECRET_ARN"),
         attempt_state_machine_arn=get("AIVEDIO_ATTEMPT_STATE_MACHINE_ARN"),
+        media_bucket=get("AIVEDIO_MEDIA_BUCKET"),
     )
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aivedio.cache.client import Cache, connect_cache_or_fail
-from aivedio.config import Clock, ConfigError, PlatformConfig, Settings, load_config, settings_from_env
+from aivedio.cloud_config import load_platform_config
+from aivedio.config import Clock, ConfigError, PlatformConfig, Settings, settings_from_env
 from aivedio.db.pool import Database, connect_or_fail, with_password
 
 
@@ -70,7 +71,7 @@ def build_platform(
     migrate: bool = False,
 ) -> Platform:
     settings = settings or settings_from_env()
-    config = config or load_config(settings.config_file)
+    config = config or load_platform_config(settings)
     db_url, redis_url = resolve_urls(settings)
     password = database_password(settings, db_url)
     connect_or_fail(db_url, password=password)

@@ -87,8 +87,18 @@ def capabilities(template: dict, fn: dict) -> set[str]:
                     assert machine["Type"] == "AWS::StepFunctions::StateMachine", r
                     caps.add(f"start-workflow:{machine['Properties']['StateMachineName']}")
             elif action in ("secretsmanager:GetSecretValue", "secretsmanager:DescribeSecret"):
-                assert all("RedisUserSecret" in json.dumps(r) for r in resources), resources
-                caps.add("redis-secret")
+                for r in resources:
+                    text = json.dumps(r)
+                    kind = "redis-secret" if "RedisUserSecret" in text else "provider-secret" \
+                        if "ProviderCredentialsSecret" in text else None
+                    assert kind is not None, f"{action} on an unforeseen secret: {r}"
+                    caps.add(kind)
+            elif service == "ssm":
+                assert action in ("ssm:DescribeParameters", "ssm:GetParameters", "ssm:GetParameter",
+                                  "ssm:GetParameterHistory"), action
+                for r in resources:
+                    assert "/platform-config" in json.dumps(r) or "PlatformConfigParameter" in json.dumps(r), r
+                caps.add("config-parameter")
             elif service == "sqs":
                 kind = "send" if action in ("sqs:SendMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl") and \
                     "sqs:ReceiveMessage" not in _listify(st["Action"]) else "consume"
@@ -106,7 +116,9 @@ def capabilities(template: dict, fn: dict) -> set[str]:
 
 
 def expected_capabilities(stage: str, name: str, profile: FunctionProfile) -> set[str]:
-    caps = {"logs", "vpc-eni", "xray"}
+    caps = {"logs", "vpc-eni", "xray", "config-parameter"}
+    if profile.provider_credentials:
+        caps.add("provider-secret")
     if profile.database:
         caps.add("db")
     if profile.redis:

@@ -88,7 +88,7 @@ def test_only_internet_facing_functions_sit_in_subnets_with_a_nat_route(synth, s
 def test_vpc_endpoints_cover_what_functions_call(synth, stage):
     endpoints = synth.resources(stage, "Data", "AWS::EC2::VPCEndpoint")
     services = {json.dumps(r["Properties"]["ServiceName"]).split(".")[-1].strip('"]}') for r in endpoints.values()}
-    for service in ("s3", "sqs", "states", "secretsmanager", "logs", "monitoring", "xray"):
+    for service in ("s3", "sqs", "states", "secretsmanager", "ssm", "logs", "monitoring", "xray"):
         assert any(s.endswith(service) for s in services), f"no VPC endpoint for {service}: {services}"
 
 
@@ -139,3 +139,83 @@ def test_database_and_redis_settings_carry_no_password(synth, stage):
         else:
             assert env["AIVEDIO_REDIS_URL"] == "none"
         assert "secretsmanager" not in json.dumps(env).replace("AIVEDIO_REDIS_SECRET_ARN", "")
+
+
+def test_every_function_reads_the_platform_config_from_the_stacks_parameter(synth, stage):
+    template = synth.template_json(stage, "App")
+    params = {lid: r for lid, r in template["Resources"].items() if r["Type"] == "AWS::SSM::Parameter"}
+    assert len(params) == 1
+    (param_id, param), = params.items()
+    assert param["Properties"]["Name"] == f"/{STAGES[stage].prefix}/platform-config"
+    from infra_cdk.platform_config import config_file
+
+    assert param["Properties"]["Value"] == config_file(STAGES[stage]).read_text()  # the stage's file, as validated
+    for name, fn in lambdas(template).items():
+        env = fn["Properties"]["Environment"]["Variables"]
+        assert env["AIVEDIO_CONFIG_PARAMETER"] == {"Ref": param_id}, name
+        assert "AIVEDIO_CONFIG" not in env, name
+
+
+def test_only_the_functions_that_talk_to_providers_get_the_provider_secret(synth, stage):
+    data = synth.template_json(stage, "Data")
+    secrets = {lid: r for lid, r in data["Resources"].items() if r["Type"] == "AWS::SecretsManager::Secret"
+               and r["Properties"]["Name"] == f"{STAGES[stage].prefix}/provider-credentials"}
+    assert len(secrets) == 1
+    (secret_id, secret), = secrets.items()
+    generated = secret["Properties"]["GenerateSecretString"]
+    assert json.loads(generated["SecretStringTemplate"]) == {"providers": {}}  # no credential is made up
+    assert "SecretString" not in secret["Properties"]
+    for name, fn in lambdas(synth.template_json(stage, "App")).items():
+        env = fn["Properties"]["Environment"]["Variables"]
+        if PROFILES[name].provider_credentials:
+            assert secret_id in json.dumps(env["AIVEDIO_PROVIDER_SECRET_ARN"]), name
+        else:
+            assert "AIVEDIO_PROVIDER_SECRET_ARN" not in env, name
+    assert {n for n, p in PROFILES.items() if p.provider_credentials} == {"api", "attempt_step"}
+
+
+def test_jobs_are_submitted_with_the_apis_own_callback_url(synth, stage):
+    template = synth.template_json(stage, "App")
+    apis = [lid for lid, r in template["Resources"].items() if r["Type"] == "AWS::ApiGateway::RestApi"]
+    for name, fn in lambdas(template).items():
+        env = fn["Properties"]["Environment"]["Variables"]
+        if PROFILES[name].submits_jobs:
+            url = json.dumps(env["AIVEDIO_API_BASE_URL"])
+            assert apis[0] in url and ".execute-api." in url and f"ApiRestApiDeploymentStage{stage}" in url, url
+        else:
+            assert "AIVEDIO_API_BASE_URL" not in env, name
+    assert PROFILES["attempt_step"].submits_jobs
+
+
+def test_a_flood_of_requests_cannot_take_the_concurrency_of_admitted_work(synth, stage):
+    from infra_cdk.stages import UNRESERVED_MINIMUM
+
+    cfg = STAGES[stage]
+    fns = lambdas(synth.template_json(stage, "App"))
+    reserved = {n: fn["Properties"].get("ReservedConcurrentExecutions") for n, fn in fns.items()}
+    assert reserved["api"] and reserved["attempt_step"] and reserved["settlement"]
+    total = sum(v for v in reserved.values() if v)
+    # The api is capped; the attempt steps and settlement have their own; the unreserved functions
+    # (reconcilers, consumers) share what is left, never less than Lambda's unreserved minimum.
+    assert total + UNRESERVED_MINIMUM <= cfg.account_concurrency
+    assert reserved["api"] < cfg.account_concurrency - total + reserved["api"] - UNRESERVED_MINIMUM + 1
+    with pytest.raises(ValueError, match="unreserved"):
+        import dataclasses
+
+        dataclasses.replace(cfg, reserved_concurrency={**cfg.reserved_concurrency, "api": cfg.account_concurrency})
+
+
+@pytest.mark.parametrize("text, why", [
+    ('[[providers]]\nname = "p"\nbase_url = "https://p.example"\nwebhook_secret = "whsec_eA=="\n', "secrets go in"),
+    ('[[providers]]\nname = "p"\nbase_url = "https://p.example"\n[[providers.accounts]]\naccount_id = "a"\napi_key = "k"\n',
+     "accounts.0.api_key: secrets go in"),
+    ('[[providers]]\nname = "p"\n', "needs a base_url"),
+    ('time_scale = 1.0\n', "no \\[\\[providers\\]\\] entry"),
+])
+def test_a_stage_config_with_a_secret_or_a_simulator_fails_synthesis(tmp_path, text, why):
+    from infra_cdk.platform_config import validated_config_text
+
+    f = tmp_path / "stage.toml"
+    f.write_text(text)
+    with pytest.raises(SystemExit, match=why):
+        validated_config_text(f)

@@ -32,11 +32,12 @@ FAST = dict(queue_seconds_min=0.0, queue_seconds_max=0.0, latency_seconds_min=1.
 SLOW = dict(queue_seconds_min=0.0, queue_seconds_max=0.0, latency_seconds_min=10_000.0, latency_seconds_max=10_000.0,
             failure_rate=0.0)
 SCALE = 100.0  # one platform second is 10 ms
+WEBHOOK_SECRET = "whsec_c2ltLXRlc3Qtc2VjcmV0"
 
 
 def provider(max_concurrency=50, timeout=2.0, accounts=None, **behaviour) -> ProviderConfig:
     return ProviderConfig(
-        name="sim-test", submit_timeout_seconds=timeout,
+        name="sim-test", submit_timeout_seconds=timeout, webhook_secret=WEBHOOK_SECRET,  # one secret for every call
         accounts=accounts or [ProviderAccount(account_id="acct-1", api_key="key-1", max_concurrency=max_concurrency)],
         simulator=SimulatorBehaviour(**{**FAST, **behaviour}),
     )
@@ -534,7 +535,8 @@ def test_the_provider_sim_command_serves_the_contract(tmp_path):
 
 def test_serve_starts_a_simulator_for_each_provider_without_a_base_url():
     config = PlatformConfig(time_scale=10, providers=[
-        ProviderConfig(name="built-in-a"), ProviderConfig(name="external", base_url="http://127.0.0.1:9"),
+        ProviderConfig(name="built-in-a"), ProviderConfig(name="external", base_url="http://127.0.0.1:9", webhook_secret="whsec_dGVzdA==",
+                       accounts=[ProviderAccount(account_id="x1", api_key="key-x1")]),
         ProviderConfig(name="built-in-b", simulator=SimulatorBehaviour(idempotency_window_seconds=99))])
     sims = start_simulators(config)
     try:

@@ -214,10 +214,16 @@ LIVENESS = (f"every attempt ends within {ATTEMPT_BOUND_PLATFORM_S:.0f} platform 
             f"of its claim, and every task is terminal or in MANUAL_REVIEW within {RUN_DEADLINE_S} s of the first admission")
 
 
+WEBHOOK_SECRET = "whsec_dGVzdC1pbnZhcmlhbnRzLXNlY3JldA=="
+
+
 def _provider(base_url: str | None, headroom: int = 1, behaviour: SimulatorBehaviour = BEHAVIOUR,
               timeout: float = SUBMIT_TIMEOUT, accounts: dict[str, int] = ACCOUNTS) -> ProviderConfig:
+    # The simulator and the platform are built from two calls: they share a fixed secret and keys.
     return ProviderConfig(name=PROVIDER, base_url=base_url, submit_timeout_seconds=timeout, simulator=behaviour,
-                          accounts=[ProviderAccount(account_id=a, max_concurrency=n * headroom) for a, n in accounts.items()])
+                          webhook_secret=WEBHOOK_SECRET,
+                          accounts=[ProviderAccount(account_id=a, api_key=f"key-{a}", max_concurrency=n * headroom)
+                                    for a, n in accounts.items()])
 
 
 def big_config(sim_url: str) -> PlatformConfig:

@@ -15,7 +15,7 @@ from aivedio.providers.adapter import (Accepted, HttpProviderAdapter, NotAccepte
                                        ProviderError, RejectedFinal, SubmitRequest, Unknown, build_adapters,
                                        parse_retry_after)
 
-CONFIG = ProviderConfig(name="prov", base_url="http://provider.test",
+CONFIG = ProviderConfig(name="prov", base_url="http://provider.test", webhook_secret="whsec_dGVzdA==",
                         accounts=[ProviderAccount(account_id="a1", api_key="key-1"), ProviderAccount(account_id="a2", api_key="key-2")],
                         submit_timeout_seconds=0.5)
 REQ = SubmitRequest(model="video-model-x", prompt="a cat", duration_seconds=4, resolution="720p",
@@ -287,7 +287,8 @@ def test_cancel_and_invoices():
 
 
 def test_a_provider_is_a_config_entry():
-    second = ProviderConfig(name="prov-b", base_url="http://b.test/", accounts=[ProviderAccount(account_id="b1")])
+    second = ProviderConfig(name="prov-b", base_url="http://b.test/", webhook_secret="whsec_dGVzdA==",
+                            accounts=[ProviderAccount(account_id="b1", api_key="key-b1")])
     sim = ProviderConfig(name="prov-c")  # no base_url: a built-in simulator supplies it
     adapters = build_adapters([CONFIG, second, sim], {"prov-c": "http://127.0.0.1:9"})
     assert {n: a.base_url for n, a in adapters.items()} == {"prov": "http://provider.test", "prov-b": "http://b.test",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from aivedio.attempts.lifecycle import AttemptRef, apply_job, lock_job, record_orphan
+from aivedio.config import ConfigError
 from aivedio.errors import DomainError, InvalidRequest, NotFound, Unauthenticated
 from aivedio.observability import logger, metrics
 from aivedio.providers.adapter import MalformedDocument, parse_job
@@ -46,6 +47,8 @@ def receive(platform, provider: str, headers: Mapping[str, str], body: bytes | s
     if cfg is None:
         raise NotFound(f"no provider {provider!r}")
     now = platform.clock.now()
+    if cfg.webhook_secret is None:  # the API function always has the provider secret; never accept unsigned
+        raise ConfigError(f"providers.{provider}.webhook_secret: not loaded in this process")
     if not verify_webhook(cfg.webhook_secret, headers, body, now):
         metrics.add("webhooks_refused", provider=provider, reason="signature")
         raise Unauthenticated("webhook signature or timestamp is not valid")

@@ -124,11 +124,12 @@ def _mark_unknown(conn, loaded: Loaded, now: datetime, reason: str) -> None:
 
 def _request(platform, task: dict, attempt: dict) -> SubmitRequest:
     # Locally the server may listen on a port chosen at start; it records its own address.
-    base = (platform.extras.get("callback_base_url") or platform.settings.api_base_url).rstrip("/")
+    # In AWS it is the API's own URL, from the stack; without one, polling alone follows the job.
+    base = platform.extras.get("callback_base_url") or platform.settings.api_base_url
     return SubmitRequest(model=attempt["model_code"], prompt=task["prompt"] or "", duration_seconds=task["duration_seconds"],
                          resolution=task["resolution"], with_audio=task["with_audio"], inputs=list(task["inputs"] or []),
                          client_request_id=str(task["task_id"]),
-                         callback_url=f"{base}/v1/providers/{attempt['provider']}/callbacks")
+                         callback_url=f"{base.rstrip('/')}/v1/providers/{attempt['provider']}/callbacks" if base else None)
 
 
 def _requeue_delay(ctx: _Ctx, attempt: dict, retry_after: float | None) -> float:

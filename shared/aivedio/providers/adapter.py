@@ -47,7 +47,7 @@ from urllib.parse import quote
 
 import httpx
 
-from aivedio.config import ProviderAccount, ProviderConfig
+from aivedio.config import ConfigError, ProviderAccount, ProviderConfig
 from aivedio.errors import DomainError
 from aivedio.providers.webhooks import sign_webhook, verify_webhook  # noqa: F401 - part of this module's API
 
@@ -413,6 +413,9 @@ class HttpProviderAdapter:
         url = base_url or provider_config.base_url
         if not url or not url.startswith(("http://", "https://")):
             raise ValueError(f"provider {provider_config.name}: no http(s) base_url to talk to")
+        if not provider_config.has_credentials:  # a function loaded without the provider secret
+            raise ConfigError(f"providers.{provider_config.name}: no credentials in this process (AIVEDIO_PROVIDER_SECRET_ARN "
+                              "is not set for it)")
         self.config = provider_config
         self.name = provider_config.name
         self.base_url = url.rstrip("/")
