@@ -19,12 +19,14 @@ from aivedio.billing.errors import PermissionDenied
 from aivedio.errors import InvalidRequest
 
 ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
-    "BILLING_ADMIN": frozenset({"refund.create", "compensation.request", "compensation.approve", "compensation.reject",
-                                "wallet.check", "wallet.rebuild", "wallet.unfreeze", "ledger.correct", "budget.manage",
+    "BILLING_ADMIN": frozenset({"refund.create", "refund.approve", "refund.reject", "compensation.request",
+                                "compensation.approve", "compensation.reject", "wallet.check", "wallet.rebuild",
+                                "wallet.unfreeze", "ledger.correct", "budget.manage",
                                 "subscription.manage", "costs.read", "credits.expire", "operator.grant",
                                 "contract_budget.manage", "costs.import", "api_key.create"}),
     "SUPPORT": frozenset({"refund.create", "compensation.request", "costs.read", "wallet.check"}),
-    "FINANCE_APPROVER": frozenset({"compensation.approve", "compensation.reject", "costs.read", "wallet.check"}),
+    "FINANCE_APPROVER": frozenset({"refund.approve", "refund.reject", "compensation.approve", "compensation.reject", "costs.read",
+                                   "wallet.check"}),
     "AUDITOR": frozenset({"costs.read", "wallet.check"}),
 }
 ROLES = tuple(ROLE_PERMISSIONS)

@@ -71,7 +71,23 @@ def _refund_create(args) -> int:
 
     return _run(args, lambda p, c: request_refund(c, operator=_operator(args), tenant_id=args.tenant_id, task_id=args.task_id,
                                                   amount=args.amount, reason=args.reason, request_key=args.request_key,
-                                                  now=p.clock.now()))
+                                                  now=p.clock.now(),
+                                                  dual_approval_above=p.config.billing.refund_dual_approval_above,
+                                                  daily_limit=p.config.billing.refund_daily_limit_per_operator))
+
+
+def _refund_approve(args) -> int:
+    from aivedio.billing.refunds import approve_refund
+
+    return _run(args, lambda p, c: approve_refund(c, operator=_operator(args), refund_id=args.refund_id, now=p.clock.now(),
+                                                  daily_limit=p.config.billing.refund_daily_limit_per_operator))
+
+
+def _refund_reject(args) -> int:
+    from aivedio.billing.refunds import reject_refund
+
+    return _run(args, lambda p, c: reject_refund(c, operator=_operator(args), refund_id=args.refund_id, reason=args.reason,
+                                                 now=p.clock.now()))
 
 
 def _refund_list(args) -> int:
@@ -244,13 +260,21 @@ def register_admin(admin) -> None:
     g.set_defaults(fn=_operator_grant)
 
     refund = admin.add_parser("refund", help="refunds of settled charges").add_subparsers(dest="refund_command", required=True)
-    c = _common(refund.add_parser("create", help="refund part or all of a task's settled charge"))
+    c = _common(refund.add_parser("create", help="refund part or all of a task's settled charge (above the threshold it "
+                                                 "waits for `approve` by another operator)"))
     c.add_argument("--tenant-id", required=True, type=UUID)
     c.add_argument("--task-id", required=True, type=UUID)
     c.add_argument("--amount", required=True, type=int)
     c.add_argument("--reason", required=True)
     c.add_argument("--request-key", required=True, help="idempotency key: the same key never refunds twice")
     c.set_defaults(fn=_refund_create)
+    ap = _common(refund.add_parser("approve", help="a second operator approves a refund above the threshold"))
+    ap.add_argument("--refund-id", required=True, type=UUID)
+    ap.set_defaults(fn=_refund_approve)
+    rj = _common(refund.add_parser("reject", help="turn down a refund awaiting approval (no money moves)"))
+    rj.add_argument("--refund-id", required=True, type=UUID)
+    rj.add_argument("--reason", required=True)
+    rj.set_defaults(fn=_refund_reject)
     ls = _common(refund.add_parser("list", help="a tenant's refund requests"))
     ls.add_argument("--tenant-id", required=True, type=UUID)
     ls.add_argument("--task-id", type=UUID, default=None)

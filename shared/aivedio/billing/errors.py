@@ -19,6 +19,13 @@ class TaskNotFound(NotFound):
     code = "TASK_NOT_FOUND"
 
 
+class RefundDailyLimitExceeded(Conflict):
+    """The operator's refunds of this UTC day, with this one, would pass
+    BillingConfig.refund_daily_limit_per_operator. `details` has the day, used, amount and limit."""
+
+    code = "REFUND_DAILY_LIMIT_EXCEEDED"
+
+
 class CompensationInvalid(InvalidRequest):
     code = "COMPENSATION_INVALID"
 
@@ -56,6 +63,7 @@ class PermissionDenied(Forbidden):
     code = "PERMISSION_DENIED"
 
 
-__all__ = ["RefundExceedsSettled", "RefundTenantMismatch", "TaskNotFound", "CompensationInvalid", "ApprovalRefused",
+__all__ = ["RefundExceedsSettled", "RefundTenantMismatch", "TaskNotFound", "RefundDailyLimitExceeded", "CompensationInvalid",
+           "ApprovalRefused",
            "CurrencyMismatch", "WalletFrozen", "CorrectionRefused", "BudgetExceeded", "PermissionDenied",
            "InvalidRequest"]

@@ -8,6 +8,15 @@
 - A refund that arrives before its task is settled waits in PENDING_SETTLEMENT and is applied by
   the settlement transaction itself (apply_pending), or rejected there if the settlement charged
   less than it asks. Money is never given back first and charged after.
+- Money controls (ch. 20.13.5). A refund above BillingConfig.refund_dual_approval_above waits in
+  PENDING_APPROVAL, moving no money, until an operator other than its requester approves it
+  (approve_refund); it then goes on as above, or is turned down (reject_refund). Each operator may
+  refund at most BillingConfig.refund_daily_limit_per_operator credits per UTC day of the platform
+  clock: a refund counts against its requester when requested and, if it needs approval, against
+  its approver when approved; a rejected refund counts for nobody. The check holds a per-operator
+  advisory lock to the end of the transaction, so concurrent refunds by one operator never both
+  pass it. Every decision that passes is audited with the limit's figures; one that is refused
+  (REFUND_DAILY_LIMIT_EXCEEDED, APPROVAL_REFUSED) writes nothing, as every refused admin operation.
 - Bad input (an amount over what is settled, another tenant's task, an unknown task, a frozen
   wallet) raises a domain error inside the transaction: nothing is written, not even an audit row.
 
@@ -15,26 +24,52 @@ Callers run each function inside one transaction (platform.db.transaction)."""
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from uuid import UUID
 
 import psycopg
 
 from aivedio.admin import rbac
 from aivedio.billing import contract_budgets, lots
-from aivedio.billing.errors import RefundExceedsSettled, RefundTenantMismatch, TaskNotFound, WalletFrozen
+from aivedio.billing.errors import (ApprovalRefused, RefundDailyLimitExceeded, RefundExceedsSettled, RefundTenantMismatch,
+                                    TaskNotFound, WalletFrozen)
 from aivedio.billing.ledger import Entry, lock_wallet, post
 from aivedio.billing.reservations import lock_reservation
-from aivedio.errors import Conflict, InvalidRequest
+from aivedio.config import BillingConfig
+from aivedio.errors import Conflict, InvalidRequest, NotFound
 from aivedio.observability import logger, metrics
 
 SYSTEM_OPERATOR = "system:settlement"
+_DEFAULTS = BillingConfig()  # the knobs a caller does not pass
+
+# What a task's refunds not yet applied hold of its charge: awaiting approval or settlement.
+PENDING_OF_TASK = """
+select coalesce(sum(amount), 0)::bigint as n from refund_request
+ where task_id = %(task_id)s and state in ('PENDING_APPROVAL', 'PENDING_SETTLEMENT')
+   and (%(refund_id)s::uuid is null or refund_id <> %(refund_id)s)
+"""
+
+# One operator's refunds of one UTC day: requested that day, or approved that day. A rejected
+# refund moved no money and counts for nobody.
+OPERATOR_DAY_USAGE = """
+select coalesce(sum(amount), 0)::bigint as n from refund_request
+ where state <> 'REJECTED'
+   and ((requested_by = %(operator)s and created_at >= %(start)s and created_at < %(end)s)
+        or (approved_by = %(operator)s and approved_at >= %(start)s and approved_at < %(end)s))
+"""
+
+# Serialises one operator's limit checks (held until commit or rollback).
+LOCK_OPERATOR = "select pg_advisory_xact_lock(hashtextextended(%s, 0))"
 
 
 def request_refund(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, task_id: UUID, amount: int,
-                   reason: str, now: datetime, request_key: str | None = None) -> dict:
-    """Refund `amount` credits of a task's settled charge, or queue it until the task settles."""
+                   reason: str, now: datetime, request_key: str | None = None, dual_approval_above: int | None = None,
+                   daily_limit: int | None = None) -> dict:
+    """Refund `amount` credits of a task's settled charge, or queue it until the task settles; above
+    `dual_approval_above` it waits in PENDING_APPROVAL for approve_refund. Both knobs default to
+    BillingConfig's (refund_dual_approval_above, refund_daily_limit_per_operator)."""
     rbac.require(conn, operator, "refund.create")
+    threshold = _DEFAULTS.refund_dual_approval_above if dual_approval_above is None else dual_approval_above
     bad = {}
     if not isinstance(amount, int) or isinstance(amount, bool) or amount <= 0:
         bad["amount"] = "a positive integer of credit units"
@@ -62,35 +97,148 @@ def request_refund(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, 
             if prior["task_id"] != task_id or prior["amount"] != amount:
                 raise Conflict("this refund request key was used for another refund", code="REFUND_KEY_REUSED")
             return _describe(prior, replayed=True)
-    charge = conn.execute("select * from generation_charge where task_id = %s for update", (task_id,)).fetchone()
-    r = lock_reservation(conn, wallet, task_id)
-    pending = conn.execute(
-        "select coalesce(sum(amount), 0)::bigint as n from refund_request where task_id = %s and state = 'PENDING_SETTLEMENT'",
-        (task_id,)).fetchone()["n"]
+    charge, r = _lock_charge(conn, wallet, task_id)
+    _check_refundable(conn, charge, r, amount)
+    limit = _take_daily_limit(conn, operator=operator, amount=amount, now=now, limit=daily_limit)
     refund_id = uuid.uuid4()
-    if charge is None or charge["finalized_at"] is None:
-        # Not settled yet: wait for the settlement; never more than could ever be settled.
+    if amount > threshold:
+        # Four eyes (ch. 20.13.5): recorded, moving no money, until another operator approves it.
+        row = _insert(conn, refund_id, tenant_id, task_id, amount, reason, operator, request_key, "PENDING_APPROVAL", now)
+        rbac.audit(conn, operator=operator, action="refund.request", target=f"task:{task_id}", tenant_id=tenant_id,
+                   new={"refund_id": str(refund_id), "amount": amount, "state": "PENDING_APPROVAL",
+                        "dual_approval_above": threshold, "daily_limit": limit}, reason=reason)
+        metrics.add("billing.refund_awaiting_approval")
+        return _describe(row)
+    row = _insert(conn, refund_id, tenant_id, task_id, amount, reason, operator, request_key, "PENDING_SETTLEMENT", now)
+    if not _settled(charge):
+        rbac.audit(conn, operator=operator, action="refund.request", target=f"task:{task_id}", tenant_id=tenant_id,
+                   new={"refund_id": str(refund_id), "amount": amount, "state": "PENDING_SETTLEMENT", "daily_limit": limit},
+                   reason=reason)
+        metrics.add("billing.refund_pending")
+        return _describe(row)
+    return _describe(_apply_now(conn, operator=operator, wallet=wallet, reservation=r, charge=charge, refund=row, now=now,
+                                limit=limit))
+
+
+def approve_refund(conn: psycopg.Connection, *, operator: str, refund_id: UUID, now: datetime,
+                   daily_limit: int | None = None) -> dict:
+    """The second pair of eyes on a PENDING_APPROVAL refund: an operator other than its requester.
+    Then it goes on as any refund does: applied now, or PENDING_SETTLEMENT until its task settles.
+    The refund counts against the approver's daily limit too. A refund no longer pending approval
+    (approved, applied, rejected) is refused: an approval never refunds twice."""
+    rbac.require(conn, operator, "refund.approve")
+    ref = conn.execute(
+        """select f.tenant_id, f.task_id, r.wallet_id from refund_request f join credit_reservation r using (task_id)
+            where f.refund_id = %s""", (refund_id,)).fetchone()
+    if ref is None:
+        raise NotFound(f"no refund {refund_id}", code="REFUND_NOT_FOUND")
+    wallet = lock_wallet(conn, ref["tenant_id"], ref["wallet_id"])  # the same lock order as request_refund and settlement
+    row = conn.execute("select * from refund_request where refund_id = %s for update", (refund_id,)).fetchone()
+    if row["state"] != "PENDING_APPROVAL":
+        raise ApprovalRefused(f"refund {refund_id} is {row['state']}, not awaiting approval",
+                              details={"state": row["state"], "approved_by": row["approved_by"]})
+    if operator == row["requested_by"]:
+        raise ApprovalRefused("the requester cannot approve their own refund",
+                              details={"requested_by": row["requested_by"]})
+    if wallet["frozen"]:
+        raise WalletFrozen(f"wallet frozen: {wallet['freeze_reason'] or 'under review'}")
+    charge, r = _lock_charge(conn, wallet, row["task_id"])
+    _check_refundable(conn, charge, r, row["amount"], refund_id=refund_id)
+    limit = _take_daily_limit(conn, operator=operator, amount=row["amount"], now=now, limit=daily_limit)
+    row = conn.execute(
+        """update refund_request set state = 'PENDING_SETTLEMENT', approved_by = %s, approved_at = %s
+            where refund_id = %s and state = 'PENDING_APPROVAL' returning *""",
+        (operator, now, refund_id)).fetchone()
+    rbac.audit(conn, operator=operator, action="refund.approve", target=f"task:{row['task_id']}", tenant_id=row["tenant_id"],
+               new={"refund_id": str(refund_id), "amount": row["amount"], "requested_by": row["requested_by"],
+                    "state": "COMPLETED" if _settled(charge) else "PENDING_SETTLEMENT", "daily_limit": limit},
+               reason=row["reason"])
+    metrics.add("billing.refund_approved")
+    if not _settled(charge):
+        return _describe(row)
+    return _describe(_apply_now(conn, operator=operator, wallet=wallet, reservation=r, charge=charge, refund=row, now=now,
+                                limit=limit))
+
+
+def reject_refund(conn: psycopg.Connection, *, operator: str, refund_id: UUID, reason: str, now: datetime) -> dict:
+    """Turn down a PENDING_APPROVAL refund: REJECTED, no money moved. Anything else is refused."""
+    rbac.require(conn, operator, "refund.reject")
+    if not reason or not reason.strip():
+        raise InvalidRequest("invalid rejection", {"reason": "required"})
+    row = conn.execute("select * from refund_request where refund_id = %s for update", (refund_id,)).fetchone()
+    if row is None:
+        raise NotFound(f"no refund {refund_id}", code="REFUND_NOT_FOUND")
+    if row["state"] != "PENDING_APPROVAL":
+        raise ApprovalRefused(f"refund {refund_id} is {row['state']}, not awaiting approval", details={"state": row["state"]})
+    row = conn.execute(
+        """update refund_request set state = 'REJECTED', rejected_by = %s, rejected_reason = %s, completed_at = %s
+            where refund_id = %s returning *""",
+        (operator, reason, now, refund_id)).fetchone()
+    rbac.audit(conn, operator=operator, action="refund.reject", target=f"task:{row['task_id']}", tenant_id=row["tenant_id"],
+               new={"refund_id": str(refund_id), "amount": row["amount"], "requested_by": row["requested_by"],
+                    "state": "REJECTED"}, reason=reason)
+    return _describe(row)
+
+
+def _settled(charge: dict | None) -> bool:
+    return charge is not None and charge["finalized_at"] is not None
+
+
+def _lock_charge(conn: psycopg.Connection, wallet: dict, task_id: UUID) -> tuple[dict | None, dict]:
+    charge = conn.execute("select * from generation_charge where task_id = %s for update", (task_id,)).fetchone()
+    return charge, lock_reservation(conn, wallet, task_id)
+
+
+def _check_refundable(conn: psycopg.Connection, charge: dict | None, r: dict, amount: int, refund_id: UUID | None = None) -> None:
+    """Raise unless `amount` fits beside the task's other open refunds (awaiting approval or
+    settlement; `refund_id`'s own excluded): within what is settled and not yet refunded, or, before
+    settlement, within the reservation (the most the task can ever be charged)."""
+    pending = conn.execute(PENDING_OF_TASK, {"task_id": r["task_id"], "refund_id": refund_id}).fetchone()["n"]
+    if not _settled(charge):
         ceiling = r["reserved_amount"]
         if pending + amount > ceiling:
             raise RefundExceedsSettled(
                 f"refunds of {pending + amount} would exceed the {ceiling} this task can be charged at most",
                 details={"reserved": ceiling, "pending": pending, "requested": amount})
-        row = _insert(conn, refund_id, tenant_id, task_id, amount, reason, operator, request_key, "PENDING_SETTLEMENT", now)
-        rbac.audit(conn, operator=operator, action="refund.request", target=f"task:{task_id}", tenant_id=tenant_id,
-                   new={"refund_id": str(refund_id), "amount": amount, "state": "PENDING_SETTLEMENT"}, reason=reason)
-        metrics.add("billing.refund_pending")
-        return _describe(row)
+        return
     refundable = r["settled_amount"] - r["refunded_amount"] - pending
     if amount > refundable or charge["settle_ledger_txn_id"] is None:
         raise RefundExceedsSettled(
             f"refund of {amount} exceeds the {max(0, refundable)} refundable",
             details={"settled": r["settled_amount"], "refunded": r["refunded_amount"], "pending": pending, "requested": amount})
-    row = _insert(conn, refund_id, tenant_id, task_id, amount, reason, operator, request_key, "PENDING_SETTLEMENT", now)
-    row = _apply(conn, wallet=wallet, reservation=r, refund=row, settle_txn_id=charge["settle_ledger_txn_id"], now=now)
-    rbac.audit(conn, operator=operator, action="refund.apply", target=f"task:{task_id}", tenant_id=tenant_id,
-               new={"refund_id": str(refund_id), "amount": amount, "refund_ledger_txn_id": str(row["refund_ledger_txn_id"]),
-                    "reversal_of": str(charge["settle_ledger_txn_id"])}, reason=reason)
-    return _describe(row)
+
+
+def _take_daily_limit(conn: psycopg.Connection, *, operator: str, amount: int, now: datetime, limit: int | None) -> dict:
+    """The per-operator daily limit (ch. 20.13.5 "限制单人、单日的操作额度"): what `operator`
+    requested (at request time) and approved (at approval time) in the UTC day of `now`, rejected
+    refunds aside, plus `amount`, may not pass `limit`. The operator's advisory lock, held to the
+    end of the transaction, makes the sum and the write that follows one step, so two concurrent
+    refunds by one operator cannot both pass. Returns the decision, for the audit row."""
+    limit = _DEFAULTS.refund_daily_limit_per_operator if limit is None else limit
+    conn.execute(LOCK_OPERATOR, (f"refund.operator:{operator}",))
+    utc = now.astimezone(timezone.utc)
+    start = utc.replace(hour=0, minute=0, second=0, microsecond=0)
+    used = conn.execute(OPERATOR_DAY_USAGE, {"operator": operator, "start": start, "end": start + timedelta(days=1)}
+                        ).fetchone()["n"]
+    decision = {"operator": operator, "day": start.date().isoformat(), "used": used, "amount": amount, "limit": limit}
+    if used + amount > limit:
+        metrics.add("billing.refund_daily_limit_refused")
+        logger.warning("refund refused: operator daily limit", extra=decision)
+        raise RefundDailyLimitExceeded(
+            f"operator {operator} has refunded {used} of {limit} credits on {decision['day']} (UTC); {amount} more would pass it",
+            details=decision)
+    return decision
+
+
+def _apply_now(conn: psycopg.Connection, *, operator: str, wallet: dict, reservation: dict, charge: dict, refund: dict,
+               now: datetime, limit: dict) -> dict:
+    row = _apply(conn, wallet=wallet, reservation=reservation, refund=refund, settle_txn_id=charge["settle_ledger_txn_id"], now=now)
+    rbac.audit(conn, operator=operator, action="refund.apply", target=f"task:{row['task_id']}", tenant_id=row["tenant_id"],
+               new={"refund_id": str(row["refund_id"]), "amount": row["amount"],
+                    "refund_ledger_txn_id": str(row["refund_ledger_txn_id"]),
+                    "reversal_of": str(charge["settle_ledger_txn_id"]), "requested_by": row["requested_by"],
+                    "approved_by": row["approved_by"], "daily_limit": limit}, reason=row["reason"])
+    return row
 
 
 def apply_pending(conn: psycopg.Connection, *, wallet: dict, reservation: dict, settle_txn_id: UUID | None,
@@ -184,7 +332,8 @@ def _apply(conn: psycopg.Connection, *, wallet: dict, reservation: dict, refund:
 
 def _describe(row: dict, replayed: bool = False) -> dict:
     return {"refund_id": str(row["refund_id"]), "task_id": str(row["task_id"]), "tenant_id": str(row["tenant_id"]),
-            "amount": row["amount"], "state": row["state"],
+            "amount": row["amount"], "state": row["state"], "requested_by": row["requested_by"],
+            "approved_by": row["approved_by"],
             "settle_ledger_txn_id": str(row["settle_ledger_txn_id"]) if row["settle_ledger_txn_id"] else None,
             "refund_ledger_txn_id": str(row["refund_ledger_txn_id"]) if row["refund_ledger_txn_id"] else None,
             "replayed": replayed}
