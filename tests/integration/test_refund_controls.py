@@ -350,8 +350,11 @@ def test_cli_refund_approve_and_reject(p, conn, db_url, monkeypatch, capsys, tmp
     w = new_wallet(p, credits=1000)
     (t1, _), (t2, _) = settled_task(p, w), settled_task(p, w)
 
-    def run(*argv, operator, json_out=True):
-        code = cli.main(["admin", "refund", *argv, "--operator", operator, "--config", str(config),
+    tight = tmp_path / "tight.toml"  # a limit ADMIN's 60 of today leaves 40 of
+    tight.write_text(f"[billing]\nrefund_dual_approval_above = {THRESHOLD}\nrefund_daily_limit_per_operator = 100\n")
+
+    def run(*argv, operator, json_out=True, cfg=config):
+        code = cli.main(["admin", "refund", *argv, "--operator", operator, "--config", str(cfg),
                          *(["--json"] if json_out else [])])
         return code, capsys.readouterr().out
 
@@ -361,6 +364,9 @@ def test_cli_refund_approve_and_reject(p, conn, db_url, monkeypatch, capsys, tmp
     assert code == 0 and (doc["state"], doc["requested_by"]) == ("PENDING_APPROVAL", ADMIN)
     code, out = run("approve", "--refund-id", doc["refund_id"], operator=ADMIN)
     assert code == 1 and json.loads(out)["error"] == "APPROVAL_REFUSED"
+    refused = conn.execute("select * from audit_log where action = 'refund.approve.refused' and operator = %s", (ADMIN,)).fetchall()
+    assert len(refused) == 1 and refused[0]["target"] == f"refund:{doc['refund_id']}"
+    assert refused[0]["new_value"]["error"] == "APPROVAL_REFUSED"
     code, out = run("approve", "--refund-id", doc["refund_id"], operator=APPROVER_1)
     done = json.loads(out)
     assert code == 0 and (done["state"], done["approved_by"]) == ("COMPLETED", APPROVER_1)
@@ -369,6 +375,13 @@ def test_cli_refund_approve_and_reject(p, conn, db_url, monkeypatch, capsys, tmp
     assert code == 1 and json.loads(out)["details"]["state"] == "COMPLETED"
     assert len(refund_txns(conn, t1)) == 1
 
+    code, out = run("create", "--tenant-id", str(w.tenant_id), "--task-id", str(t2), "--amount", "50",
+                    "--reason", "too much today", "--request-key", "cli-over", operator=ADMIN, cfg=tight)
+    assert code == 1 and json.loads(out)["error"] == "REFUND_DAILY_LIMIT_EXCEEDED"
+    over = conn.execute("select * from audit_log where action = 'refund.request.refused' and operator = %s",
+                        (ADMIN,)).fetchall()
+    assert len(over) == 1 and over[0]["target"] == f"task:{t2}" and over[0]["tenant_id"] == w.tenant_id
+    assert len(refund_txns(conn, t2)) == 0
     code, out = run("create", "--tenant-id", str(w.tenant_id), "--task-id", str(t2), "--amount", "70", "--reason", "bad output",
                     "--request-key", "cli-2", operator=ADMIN)
     second = json.loads(out)

@@ -27,8 +27,11 @@ def _dt(s: str) -> datetime:
     return d
 
 
-def _run(args: argparse.Namespace, fn: Callable[[Any, Any], Any], *, transaction: bool = True) -> int:
-    """Build the platform, run fn(platform, conn) in one transaction, print the result."""
+def _run(args: argparse.Namespace, fn: Callable[[Any, Any], Any], *, transaction: bool = True,
+         audit_refusal: str | None = None) -> int:
+    """Build the platform, run fn(platform, conn) in one transaction, print the result. A money
+    operation named by `audit_refusal` that is refused leaves an audit row of its own: the refused
+    transaction wrote nothing, not even that."""
     from aivedio.cli import _emit, _platform
 
     platform = _platform(args)
@@ -38,6 +41,8 @@ def _run(args: argparse.Namespace, fn: Callable[[Any, Any], Any], *, transaction
         else:
             doc = fn(platform, None)
     except DomainError as e:
+        if audit_refusal is not None:
+            _audit_refused(platform, args, audit_refusal, e)
         err = {"error": e.code, "message": e.message, "details": e.details}
         if args.json:
             sys.stdout.write(json.dumps(err, default=str, sort_keys=True) + "\n")
@@ -48,6 +53,17 @@ def _run(args: argparse.Namespace, fn: Callable[[Any, Any], Any], *, transaction
         platform.close()
     _emit(doc, args.json)
     return 0
+
+
+def _audit_refused(platform, args: argparse.Namespace, action: str, e: DomainError) -> None:
+    from aivedio.admin import rbac
+
+    target = next((f"{k.removesuffix('_id')}:{getattr(args, k)}" for k in ("task_id", "refund_id")
+                   if getattr(args, k, None) is not None), "refund")
+    platform.db.transaction(lambda c: rbac.audit(
+        c, operator=_operator(args), action=f"{action}.refused", target=target,
+        tenant_id=getattr(args, "tenant_id", None),
+        new={"error": e.code, "amount": getattr(args, "amount", None), "details": e.details}, reason=e.message))
 
 
 def _common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -73,14 +89,16 @@ def _refund_create(args) -> int:
                                                   amount=args.amount, reason=args.reason, request_key=args.request_key,
                                                   now=p.clock.now(),
                                                   dual_approval_above=p.config.billing.refund_dual_approval_above,
-                                                  daily_limit=p.config.billing.refund_daily_limit_per_operator))
+                                                  daily_limit=p.config.billing.refund_daily_limit_per_operator),
+                audit_refusal="refund.request")
 
 
 def _refund_approve(args) -> int:
     from aivedio.billing.refunds import approve_refund
 
     return _run(args, lambda p, c: approve_refund(c, operator=_operator(args), refund_id=args.refund_id, now=p.clock.now(),
-                                                  daily_limit=p.config.billing.refund_daily_limit_per_operator))
+                                                  daily_limit=p.config.billing.refund_daily_limit_per_operator),
+                audit_refusal="refund.approve")
 
 
 def _refund_reject(args) -> int:
