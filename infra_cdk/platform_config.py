@@ -20,7 +20,7 @@ from aws_cdk import aws_secretsmanager as secretsmanager
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
-from aivedio.cloud_config import SECRET_KEYS
+from aivedio.cloud_config import secrets_in
 from aivedio.config import PlatformConfig
 from infra_cdk.nag import suppress
 from infra_cdk.stages import ROOT, StageConfig
@@ -37,11 +37,9 @@ def validated_config_text(path: Path) -> str:
     """The file's text, after the checks a cold start makes (credentials are not in it)."""
     text = path.read_text()
     data = tomllib.loads(text)
-    for i, p in enumerate(data.get("providers") or []):
-        leaked = [k for k in SECRET_KEYS if k in p] + [f"accounts.{j}.{k}" for j, a in enumerate(p.get("accounts") or [])
-                                                       for k in SECRET_KEYS if k in a]
-        if leaked:
-            raise SystemExit(f"{path}: providers.{i}.{leaked[0]}: secrets go in the provider credentials secret, not here")
+    leaked = secrets_in(data)
+    if leaked:
+        raise SystemExit(f"{path}: {leaked[0]}: secrets go in the provider credentials secret, not here")
     if not data.get("providers"):
         raise SystemExit(f"{path}: no [[providers]] entry (the default is a built-in simulator, which runs only locally)")
     config = PlatformConfig.model_validate(data, context={"provider_credentials": "absent"})

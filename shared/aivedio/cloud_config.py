@@ -63,16 +63,22 @@ def _parameter_document(name: str, client) -> dict[str, Any]:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"SSM parameter {name}: not valid TOML: {e}") from None
-    for i, p in enumerate(data.get("providers") or []):
-        if not isinstance(p, dict):
-            continue
-        found = [f"providers.{i}.{k}" for k in SECRET_KEYS if k in p]
-        found += [f"providers.{i}.accounts.{j}.{k}" for j, a in enumerate(p.get("accounts") or [])
-                  if isinstance(a, dict) for k in SECRET_KEYS if k in a]
-        if found:
-            raise ConfigError(f"SSM parameter {name}: key '{found[0]}': secrets belong in the provider secret "
-                              "(AIVEDIO_PROVIDER_SECRET_ARN), not in the config")
+    found = secrets_in(data)
+    if found:
+        raise ConfigError(f"SSM parameter {name}: key '{found[0]}': secrets belong in the provider secret "
+                          "(AIVEDIO_PROVIDER_SECRET_ARN), not in the config")
     return data
+
+
+def secrets_in(data: dict[str, Any]) -> list[str]:
+    """The keys of a config document that hold credentials (none may, outside the provider secret)."""
+    found = []
+    for i, p in enumerate(data.get("providers") or []):
+        if isinstance(p, dict):
+            found += [f"providers.{i}.{k}" for k in SECRET_KEYS if k in p]
+            found += [f"providers.{i}.accounts.{j}.{k}" for j, a in enumerate(p.get("accounts") or [])
+                      if isinstance(a, dict) for k in SECRET_KEYS if k in a]
+    return found
 
 
 def _secret_document(arn: str, client) -> dict[str, Any]:
