@@ -2,16 +2,18 @@
 this same handler through aivedio.local.http_server. Routes live in functions/api/routes/*.py."""
 from __future__ import annotations
 
-from aws_lambda_powertools.event_handler import APIGatewayRestResolver, Response, content_types
+from aws_lambda_powertools.event_handler import Response, content_types
 from aws_lambda_powertools.event_handler.openapi.models import HTTPBearer
 from aws_lambda_powertools.logging import correlation_paths
 
 from aivedio import __version__
 from aivedio.observability import logger
 from functions.api import errors
+from functions.api.resolver import ThreadLocalRestResolver
 from functions.api.routes import auth, generations, health, providers, wallet
 
-app = APIGatewayRestResolver(enable_validation=True)
+# Per-request state per thread: the local server runs requests concurrently (functions/api/resolver.py).
+app = ThreadLocalRestResolver(enable_validation=True)
 app.configure_openapi(
     title="AiVedio API",
     version=__version__,
@@ -36,8 +38,16 @@ def openapi_json():  # no return annotation: validation would try to model Respo
     return Response(status_code=200, content_type=content_types.APPLICATION_JSON, body=_openapi_json)
 
 
+app.freeze()
+
+
 @logger.inject_lambda_context(correlation_id_path=correlation_paths.API_GATEWAY_REST, clear_state=True)
 def lambda_handler(event: dict, context) -> dict:
+    app.start_request()
+    # The decorator's keys are process-wide; these are this thread's, so a log line names its own
+    # request when the local server runs several at once.
+    logger.thread_safe_append_keys(correlation_id=(event.get("requestContext") or {}).get("requestId"),
+                                   function_request_id=getattr(context, "aws_request_id", None))
     refused = auth.gate(app, event)
     if refused is not None:
         return refused

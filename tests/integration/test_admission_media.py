@@ -17,6 +17,18 @@ from tests.admission_support import BODY, accepted, footprint, new_tenant, serve
 _ = serve  # a fixture, imported for the tests that request it
 
 SIZE = 64  # pixels; tiny files keep the tests fast
+LOCAL = ["127.0.0.1"]  # the media server below; the probe refuses non-global addresses unless allowed
+
+
+@pytest.fixture
+def platform(make_platform):
+    """The default platform, allowed to probe the local media server."""
+    from aivedio.context import set_platform
+
+    p = make_platform(PlatformConfig(limits=Limits(probe_allowed_private_hosts=LOCAL)))
+    set_platform(p)
+    yield p
+    set_platform(None)
 
 
 def _frame(shade: int) -> av.VideoFrame:
@@ -139,7 +151,7 @@ def test_a_declared_kind_that_is_not_the_measured_kind_is_refused(platform, conn
 
 def test_an_input_over_max_input_bytes_is_refused(make_platform, conn, serve, media):
     limit = media["size:clip2s.mp4"] - 1
-    p = make_platform(PlatformConfig(limits=Limits(max_input_bytes=limit)))
+    p = make_platform(PlatformConfig(limits=Limits(max_input_bytes=limit, probe_allowed_private_hosts=LOCAL)))
     api = serve(p)
     t = new_tenant(p)
     before = footprint(conn, t.tenant_id)
@@ -153,7 +165,7 @@ def test_an_input_over_max_input_bytes_is_refused(make_platform, conn, serve, me
 
 
 def test_a_video_longer_than_max_input_duration_is_refused(make_platform, conn, serve, media):
-    p = make_platform(PlatformConfig(limits=Limits(max_input_duration_seconds=5)))
+    p = make_platform(PlatformConfig(limits=Limits(max_input_duration_seconds=5, probe_allowed_private_hosts=LOCAL)))
     api = serve(p)
     t = new_tenant(p)
     before = footprint(conn, t.tenant_id)

@@ -2,9 +2,11 @@
 proxy event, invokes a Lambda handler in-process, and turns its answer back into HTTP.
 
 It enforces only what API Gateway does: a 10 MiB payload limit (413), and a 502 when the handler
-raises or returns something that is not a proxy response. Invocations of one handler are
-serialised, as in one Lambda execution environment: Powertools' resolver keeps the current event
-in shared state, so two concurrent invocations in one process would read each other's request."""
+raises or returns something that is not a proxy response. Each request is invoked on its own
+thread, concurrently, as API Gateway would spread them over several Lambda environments: a handler
+served here keeps no per-request state in shared places (the `api` handler's resolver keeps it per
+thread, functions/api/resolver.py), so one slow request (an input probe waiting on a slow server)
+never holds up the others."""
 from __future__ import annotations
 
 import logging
@@ -88,8 +90,7 @@ class _Handler(BaseHTTPRequestHandler):
         )
         ctx = FakeLambdaContext(self.server.function_name)
         try:
-            with self.server.invoke_lock:
-                result = self.server.lambda_handler(event, ctx)
+            result = self.server.lambda_handler(event, ctx)
             resp = apigw.from_response(result)
         except apigw.MalformedProxyResponse as e:
             log.error("%s returned a malformed proxy response: %s", self.server.function_name, e)
@@ -123,7 +124,6 @@ class LambdaHttpServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], lambda_handler: LambdaHandler, function_name: str = "aivedio-api"):
         self.lambda_handler = lambda_handler
         self.function_name = function_name
-        self.invoke_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         super().__init__(address, _Handler)
 

@@ -1,0 +1,97 @@
+"""The API's resolver: Powertools' APIGatewayRestResolver with its per-request state kept per thread.
+
+The stock resolver keeps the request it is answering in shared places: the current event and Lambda
+context on BaseRouter's class attributes, the routing context (where auth.gate puts the caller) and
+the middleware frames on the app object. In Lambda an environment runs one invocation at a time, so
+that is harmless there. The local server (aivedio.local.http_server) runs each request on a thread of
+its own, as concurrent Lambda environments would; with the stock resolver two requests would read
+each other's event and caller, which is why that server used to serialise every invocation, and one
+slow input probe held up every other request. Here each thread has its own state, as Powertools' own
+HttpResolverLocal does for ASGI requests.
+
+Powertools also builds a route's middleware stack on the route's first call, without a lock; two
+first calls at once would wrap it twice. freeze() builds every stack once, before any request."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from aws_lambda_powertools.event_handler import APIGatewayRestResolver
+from aws_lambda_powertools.utilities.data_classes.common import BaseProxyEvent
+
+
+@dataclass
+class _RequestState:
+    event: BaseProxyEvent | None = None
+    lambda_context: Any = None
+    context: dict = field(default_factory=dict)
+    processed_stack_frames: list[str] = field(default_factory=list)
+
+
+class ThreadLocalRestResolver(APIGatewayRestResolver):
+    def __init__(self, **kwargs: Any):
+        self._local = threading.local()
+        self._initial_context: dict = {}  # what routers added before the first request (freeze)
+        super().__init__(**kwargs)
+
+    @property
+    def _state(self) -> _RequestState:
+        state = getattr(self._local, "state", None)
+        if state is None:
+            state = self._local.state = _RequestState(context=dict(self._initial_context))
+        return state
+
+    def start_request(self) -> None:
+        """A fresh state for this thread: call it first thing in each invocation, before the gate
+        puts the caller into the context, so nothing of this thread's last request carries over."""
+        self._local.state = _RequestState(context=dict(self._initial_context))
+
+    # Powertools declares these as plain attributes; as properties every thread reads its own.
+    @property
+    def current_event(self) -> BaseProxyEvent:
+        return self._state.event  # type: ignore[return-value]
+
+    @current_event.setter
+    def current_event(self, value: BaseProxyEvent) -> None:
+        self._state.event = value
+
+    @property
+    def lambda_context(self) -> Any:
+        return self._state.lambda_context
+
+    @lambda_context.setter
+    def lambda_context(self, value: Any) -> None:
+        self._state.lambda_context = value
+
+    @property
+    def context(self) -> dict:
+        return self._state.context
+
+    @context.setter
+    def context(self, value: dict) -> None:
+        self._state.context = value
+
+    @property
+    def processed_stack_frames(self) -> list[str]:
+        return self._state.processed_stack_frames
+
+    @processed_stack_frames.setter
+    def processed_stack_frames(self, value: list[str]) -> None:
+        self._state.processed_stack_frames = value
+
+    def resolve(self, event: Any, context: Any) -> dict[str, Any]:
+        # The base class stores the event on BaseRouter's class attributes, which every thread shares;
+        # this thread's copy is what the routes, middlewares and error handlers read.
+        raw = event.raw_event if isinstance(event, BaseProxyEvent) else event
+        self._state.event = self._to_proxy_event(raw)
+        self._state.lambda_context = context
+        return super().resolve(event, context)
+
+    def freeze(self) -> None:
+        """Call once all routes are registered: builds each route's middleware stack now, and keeps
+        the routers' context as every thread's starting context."""
+        self._initial_context = dict(self.context)
+        for route in self._static_routes + self._dynamic_routes:
+            if not route._middleware_stack_built:
+                route._build_middleware_stack(router_middlewares=self._router_middlewares, app=self)
