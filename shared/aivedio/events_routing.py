@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aivedio.config import PlatformConfig
+from aivedio.reconcile import idempotency_purge
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ SCHEDULES: tuple[Schedule, ...] = (
     Schedule("attempt-recovery", "attempt_recovery", lambda c: c.timers.attempt_recovery_seconds, 1),
     Schedule("credit-expiry", "credit_expiry", lambda c: c.billing.credit_expiry_seconds, 5),
     Schedule("wallet-check", "wallet_check", lambda c: c.billing.wallet_check_seconds, 30),
+    Schedule("idempotency-purge", "idempotency_purge", lambda c: idempotency_purge.INTERVAL_SECONDS,
+             idempotency_purge.AWS_EVERY_MINUTES),
 )
 
 

@@ -24,10 +24,13 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     "RUNNING": frozenset({"PROVIDER_SUCCEEDED", "FAILED", "CANCEL_REQUESTED", "CANCELLED", "MANUAL_REVIEW"}),
     "SUBMIT_UNKNOWN": frozenset({"SUBMITTED", "RUNNING", "PROVIDER_SUCCEEDED", "FAILED", "QUEUED", "CANCEL_REQUESTED", "MANUAL_REVIEW"}),
     "CANCEL_REQUESTED": frozenset({"CANCELLED", "PROVIDER_SUCCEEDED", "FAILED", "MANUAL_REVIEW"}),
-    "PROVIDER_SUCCEEDED": frozenset({"MEDIA_PROCESSING", "SUCCEEDED", "MEDIA_INGEST_FAILED"}),
-    "MEDIA_PROCESSING": frozenset({"SUCCEEDED", "MEDIA_INGEST_FAILED"}),
+    # A cancel after the provider succeeded, or during review, is recorded as CANCEL_REQUESTED: the
+    # attempt workflow then asks the provider and follows its answer (a finished job keeps its
+    # result), or hands the task back to review when it cannot decide (aivedio.admission.cancel).
+    "PROVIDER_SUCCEEDED": frozenset({"MEDIA_PROCESSING", "SUCCEEDED", "MEDIA_INGEST_FAILED", "CANCEL_REQUESTED"}),
+    "MEDIA_PROCESSING": frozenset({"SUCCEEDED", "MEDIA_INGEST_FAILED", "CANCEL_REQUESTED"}),
     "MEDIA_INGEST_FAILED": frozenset({"MEDIA_PROCESSING", "SUCCEEDED", "FAILED"}),
-    "MANUAL_REVIEW": frozenset({"QUEUED", "RUNNING", "PROVIDER_SUCCEEDED", "FAILED", "CANCELLED"}),
+    "MANUAL_REVIEW": frozenset({"QUEUED", "RUNNING", "PROVIDER_SUCCEEDED", "FAILED", "CANCELLED", "CANCEL_REQUESTED"}),
     "SUCCEEDED": frozenset(),
     "FAILED": frozenset(),
     "CANCELLED": frozenset(),

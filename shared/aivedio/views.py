@@ -8,6 +8,7 @@ from uuid import UUID
 
 from aivedio.errors import InvalidRequest, NotFound
 from aivedio.tasks import STATES
+from aivedio.tenant_errors import tenant_error
 
 
 def _iso(ts: datetime | None) -> str | None:
@@ -30,8 +31,9 @@ def _task_doc(conn, t: dict, *, full: bool) -> dict:
     doc = {"task_id": str(t["task_id"]), "state": t["state"], "queue_class": t["queue_class"],
            "created_at": _iso(t["created_at"]), "started_at": _iso(t["started_at"]), "finished_at": _iso(t["finished_at"]),
            "model": t["model_code"], "mode": t["mode"], "duration_seconds": t["duration_seconds"], "resolution": t["resolution"]}
-    if t["error_code"] and t["state"] in ("FAILED", "MANUAL_REVIEW", "MEDIA_INGEST_FAILED", "CANCELLED"):
-        doc["error"] = {"code": t["error_code"], "message": t["error_message"] or t["error_code"]}
+    error = tenant_error(t["state"], t["error_code"])  # mapped: never the provider's own text
+    if error is not None:
+        doc["error"] = error
     if not full:
         return doc
     attempts = conn.execute(

@@ -45,7 +45,10 @@ def world(make_platform):
         pc = sim_provider or provider(**behaviour)
         sim = SimulatorServer(pc, pc.simulator, 1.0, port=0).start()
         sims.append(sim)
-        platform_pc = provider(**behaviour).model_copy(update={"base_url": sim.base_url})
+        # The simulator's own entry holds the account keys and webhook secret it accepts (a built-in
+        # simulator's credentials are random per entry): the platform's entry carries the same ones.
+        platform_pc = provider(**behaviour).model_copy(update={"base_url": sim.base_url, "accounts": pc.accounts,
+                                                               "webhook_secret": pc.webhook_secret})
         cfg = PlatformConfig(providers=[platform_pc],
                              timers=Timers(lease_seconds=60, unknown_safe_window_seconds=600),
                              limits=Limits(aimd_decrease_pct=50))
@@ -243,7 +246,7 @@ def _webhook(p, sim, job: dict, status: str, *, webhook_id: str | None = None, s
 
 def _job_doc(p, sim, ref: AttemptRef) -> dict:
     job_id = attempt_row(p, ref.attempt_id)["provider_job_id"]
-    return httpx.get(f"{sim.base_url}/v1/jobs/{job_id}", headers={"Authorization": "Bearer sim-key-account-01"}).json()
+    return httpx.get(f"{sim.base_url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {p.config.providers[0].accounts[0].api_key}"}).json()
 
 
 def test_callbacks_verify_dedupe_and_apply_like_polling(world):

@@ -59,9 +59,13 @@ def create_generation(
 
 
 @router.post("/v1/quotes", tags=["generations"], summary="Quote a generation without reserving anything", security=BEARER,
-             responses=responses(200, QuoteResponse, "quote", body=True))
-def create_quote(body: GenerationRequest) -> QuoteResponse:
-    return QuoteResponse(**quote_only(get_platform(), caller_of(router), body))
+             responses=responses(200, QuoteResponse, "quote", 429, body=True))
+def create_quote(body: GenerationRequest):
+    try:
+        quote = quote_only(get_platform(), caller_of(router), body)
+    except Rejected as r:  # the submit rate limits bind quotes too
+        return rejected_response(r)
+    return QuoteResponse(**quote)
 
 
 @router.get("/v1/generations/<task_id>", tags=["generations"], summary="One task", security=BEARER,

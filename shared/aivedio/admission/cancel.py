@@ -1,6 +1,14 @@
 """Cancel (ch. 20.4.3): before dispatch it is a CAS from QUEUED to CANCELLED with a RELEASE of the
 reservation in the same transaction. After dispatch it becomes CANCEL_REQUESTED, and the attempt
-lifecycle asks the provider; the outcome follows the provider's stage."""
+lifecycle asks the provider; the outcome follows the provider's stage.
+
+That holds for every state that is not terminal, PROVIDER_SUCCEEDED, MEDIA_PROCESSING and
+MANUAL_REVIEW included: the answer is 202 CANCEL_REQUESTED. A job the provider already finished
+keeps its result, and the task succeeds and is charged as its charge policy says for a success; a
+task in review goes through the same cancel path (aivedio.attempts.lifecycle.reopen_for_cancel),
+which cancels it at the provider when it can and gives it back to review when it cannot decide.
+Only a terminal task answers TASK_TERMINAL: SUCCEEDED, FAILED, CANCELLED, and MEDIA_INGEST_FAILED
+(this platform keeps no count of media retries, so it takes an ingest failure as final)."""
 from __future__ import annotations
 
 from uuid import UUID
@@ -8,6 +16,7 @@ from uuid import UUID
 from aivedio import outbox, tasks
 from aivedio.admission.decisions import Rejected
 from aivedio.admission.rate_limits import take
+from aivedio.attempts.lifecycle import reopen_for_cancel
 from aivedio.auth import Caller
 from aivedio.billing.ledger import lock_wallet
 from aivedio.billing.reservations import release_remaining
@@ -53,9 +62,17 @@ def cancel(platform, caller: Caller, task_id: UUID) -> dict:
         if "CANCEL_REQUESTED" not in tasks.TRANSITIONS[state]:
             raise TaskTerminal(f"task in {state} can no longer be cancelled", details={"state": state})
         row = tasks.cas_transition(conn, tenant_id=caller.tenant_id, task_id=task_id, from_state=state,
-                                   version=task["version"], to_state="CANCEL_REQUESTED", now=now, cancel_requested_at=now)
+                                   version=task["version"], to_state="CANCEL_REQUESTED", now=now,
+                                   cancel_requested_at=task["cancel_requested_at"] or now)
         if row is None:
             raise Conflict("task changed concurrently; retry")
+        attempt = conn.execute("select * from task_attempt where tenant_id = %s and attempt_id = %s and fencing_token = %s",
+                               (caller.tenant_id, task["current_attempt_id"], task["current_fencing_token"])).fetchone()
+        if attempt is not None:
+            reopen_for_cancel(conn, row, attempt, now)  # a workflow that has ended is started again
+        else:
+            logger.error("cancel requested for a task without a current attempt",
+                         extra={"tenant_id": str(caller.tenant_id), "task_id": str(task_id), "from_state": state})
         outbox.write_event(conn, "TaskCancelRequested", aggregate_type="generation_task", aggregate_id=task_id,
                            tenant_id=caller.tenant_id, payload={"task_id": str(task_id), "from_state": state})
         logger.info("cancel requested", extra={"tenant_id": str(caller.tenant_id), "task_id": str(task_id), "from_state": state})

@@ -82,6 +82,11 @@ def check_capabilities(req: GenerationRequest, config: PlatformConfig) -> None:
     if len(req.inputs) > config.limits.max_inputs:
         raise InvalidRequest("too many inputs", {"body.inputs": f"at most {config.limits.max_inputs} inputs"})
     need = INPUT_KIND_BY_MODE.get(req.mode)
+    # A mode that takes no inputs (text_to_video) refuses them rather than ignoring them: the server
+    # never fetches media it would not use (each fetch is a request to a URL the client chose), and
+    # the task never stores inputs its provider would be sent but the estimate did not measure.
+    if need is None and req.inputs:
+        raise InvalidRequest(f"{req.mode} takes no inputs", {"body.inputs": f"{req.mode} takes no inputs; send none"})
     if need and not any(i.kind == need for i in req.inputs):
         raise InvalidRequest(f"{req.mode} needs an input", {"body.inputs": f"{req.mode} needs at least one {need} input"})
 

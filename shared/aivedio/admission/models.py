@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Mode = Literal["text_to_video", "image_to_video", "video_to_video", "extend"]
 Resolution = Literal["480p", "720p", "1080p", "4k"]
@@ -24,9 +24,20 @@ class GenerationRequest(BaseModel):
 
     model: str = Field(min_length=1, max_length=64)
     mode: Mode
-    prompt: str = Field(default="", max_length=4000, pattern=r"^[^\x00]*$")  # PostgreSQL text cannot hold NUL
+    # Required and not blank: an empty or whitespace-only prompt is refused (422 naming body.prompt).
+    # The schema says min_length 1; "not only whitespace" is checked below rather than by a pattern,
+    # whose \s means different things in JSON Schema and in pydantic's Rust regex.
+    prompt: str = Field(min_length=1, max_length=4000, pattern=r"^[^\x00]*$",  # PostgreSQL text cannot hold NUL
+                        description="what to generate; not empty and not only whitespace")
     duration_seconds: int = Field(gt=0, le=600)
     resolution: Resolution
     with_audio: bool = False
     inputs: list[InputRef] = Field(default_factory=list, max_length=8)
     interactive: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("the prompt is empty or only whitespace")
+        return v

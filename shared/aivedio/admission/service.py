@@ -1,7 +1,21 @@
 """Admission (ch. 18.3.1, 18.5, 18.11; ch. 20.4.1, 20.6.1-20.6.2): decide, with a reason code and an
 estimated start, whether a request enters the platform; if it does, write everything in one
-transaction: idempotency record, wallet lock, RESERVE across credit lots, reservation, task, charge
-snapshot and a TaskQueued outbox event. A rejection raises inside that transaction: nothing is written."""
+transaction: the completed idempotency record, wallet lock, RESERVE across credit lots, reservation,
+task, charge snapshot and a TaskQueued outbox event. A rejection raises inside that transaction:
+nothing is written.
+
+Idempotency (contracts/tenant-api.md) covers the whole request: before any slow work (the input
+probe) the request claims its key with an IN_PROGRESS idempotency_record, committed on its own, so
+a second request with the key answers 409 IDEMPOTENCY_IN_PROGRESS while the first is still probing.
+The admission transaction turns the record COMPLETED with the response; a rejection (or any error)
+deletes it, so the key can be retried and a rejected request leaves nothing behind. The record's
+task_id is chosen at the claim and is its owner's token: only the request that claimed a record
+completes or deletes it. A request that died keeps its record IN_PROGRESS until locked_until
+(Timers.idempotency_lock_seconds); then the next request with the key takes it over by CAS. A
+record expires at expires_at (Timers.idempotency_ttl_seconds) and is no longer replayed;
+aivedio.reconcile.idempotency_purge deletes expired records. A key stays spent after its record
+expired (one task per key: the generation_task constraint), so its reuse answers
+IDEMPOTENCY_KEY_REUSED rather than admitting a duplicate."""
 from __future__ import annotations
 
 import hashlib
@@ -30,7 +44,6 @@ from aivedio.observability import logger, metrics, publish
 from aivedio.pricing import price_book
 from aivedio.pricing.price_book import Quote
 
-IDEMPOTENCY_LOCK_NS = "idem"
 MAX_RETRY_AFTER_SECONDS = 3600  # the longest Retry-After a rejection suggests
 
 
@@ -71,6 +84,73 @@ def load_policy(conn: psycopg.Connection, tenant_id) -> dict:
     ).fetchone()
 
 
+# --- the idempotency record ---------------------------------------------------------------------------
+
+SELECT_KEY = "select * from idempotency_record where tenant_id = %s and idempotency_key = %s"
+LOCK_KEY = SELECT_KEY + " for update"
+# A new record, or the takeover of one that no longer holds the key: expired, or IN_PROGRESS past its
+# lock (its request died). A record that still holds the key is left alone and nothing is returned.
+CLAIM_KEY = """insert into idempotency_record (tenant_id, idempotency_key, request_hash, status, task_id, created_at,
+                                              expires_at, locked_until)
+               values (%(t)s, %(k)s, %(h)s, 'IN_PROGRESS', %(token)s, %(now)s, %(expires)s, %(locked_until)s)
+               on conflict (tenant_id, idempotency_key) do update
+                  set request_hash = excluded.request_hash, status = 'IN_PROGRESS', response_status = null,
+                      response_body = null, task_id = excluded.task_id, created_at = excluded.created_at,
+                      expires_at = excluded.expires_at, locked_until = excluded.locked_until
+                where idempotency_record.expires_at <= %(now)s
+                   or (idempotency_record.status = 'IN_PROGRESS'
+                       and coalesce(idempotency_record.locked_until, '-infinity') <= %(now)s)
+               returning task_id"""
+KEY_SPENT = "select 1 from generation_task where tenant_id = %s and idempotency_key = %s"
+RELEASE_KEY = """delete from idempotency_record
+                  where tenant_id = %s and idempotency_key = %s and status = 'IN_PROGRESS' and task_id = %s"""
+COMPLETE_KEY = """update idempotency_record
+                     set status = 'COMPLETED', response_status = %(status)s, response_body = %(body)s,
+                         expires_at = %(expires)s, locked_until = null
+                   where tenant_id = %(t)s and idempotency_key = %(k)s and status = 'IN_PROGRESS' and task_id = %(token)s"""
+
+
+def holds_key(record: dict, now: datetime) -> bool:
+    """Whether a record still answers for its key: unexpired, and completed or within its lock."""
+    if record["expires_at"] <= now:
+        return False
+    return record["status"] == "COMPLETED" or (record["locked_until"] is not None and record["locked_until"] > now)
+
+
+def _claim(platform, tenant_id, key: str, req_hash: str) -> uuid.UUID | Admitted:
+    """Take the key for this request (committed before the caller does any slow work): the token
+    (the task id the admission will use) when taken, else the answer the holding record gives."""
+    token = uuid.uuid4()
+    timers = platform.config.timers
+
+    def tx(conn: psycopg.Connection) -> uuid.UUID | Admitted:
+        now = platform.clock.now()
+        got = conn.execute(CLAIM_KEY, {"t": tenant_id, "k": key, "h": req_hash, "token": token, "now": now,
+                                       "expires": now + platform.clock.delta(timers.idempotency_ttl_seconds),
+                                       "locked_until": now + platform.clock.delta(timers.idempotency_lock_seconds)}).fetchone()
+        if got is None:
+            rec = conn.execute(SELECT_KEY, (tenant_id, key)).fetchone()
+            if rec is None:  # completed-and-purged or released between the two statements: the client retries
+                raise IdempotencyInProgress("a request with this Idempotency-Key is still being processed")
+            return _replay(rec, req_hash)
+        if conn.execute(KEY_SPENT, (tenant_id, key)).fetchone() is not None:
+            raise IdempotencyKeyReused(  # rolls the claim back: the expired record stays as it was
+                "this Idempotency-Key was already used, and its record has expired: send a new key",
+                details={"fields": {"header.Idempotency-Key": "already used; its idempotency window has passed"}})
+        return token
+
+    return platform.db.transaction(tx)
+
+
+def _release(platform, tenant_id, key: str, token: uuid.UUID) -> None:
+    """A request that ends without a task gives its key back (a rejection writes nothing)."""
+    try:
+        with platform.db.connection() as conn:
+            conn.execute(RELEASE_KEY, (tenant_id, key, token))
+    except Exception as e:  # the record's lock runs out instead, and the key is taken over then
+        logger.warning("idempotency record not released", extra={"tenant_id": str(tenant_id), "error": str(e)})
+
+
 def _replay(record: dict, req_hash: str) -> Admitted:
     if record["request_hash"] != req_hash:
         raise IdempotencyKeyReused("this Idempotency-Key was used with a different request body",
@@ -84,14 +164,21 @@ def prepare(platform, policy: dict, req: GenerationRequest) -> tuple[Estimate, Q
     """Everything decided outside the transaction: probed inputs, estimate, quote."""
     limits = platform.config.limits
     check_capabilities(req, platform.config)  # an unknown model, or a duration or resolution it lacks, fails before any fetch
-    probed = probe_inputs(req.inputs, max_bytes=limits.max_input_bytes, max_duration_seconds=limits.max_input_duration_seconds)
+    probed = probe_inputs(req.inputs, tenant_id=policy["tenant_id"], limits=limits,
+                          media_bucket=platform.settings.media_bucket)
     est = estimate(req, probed, policy["tenant_service_class"], platform.config)
     return est, price_book.quote(price_book.current_version(platform), est)
 
 
 def quote_only(platform, caller: Caller, req: GenerationRequest) -> dict:
+    """A quote probes inputs and prices like an admission, so it spends the same submit rate limits."""
     with platform.db.connection() as conn:
         policy = load_policy(conn, caller.tenant_id)
+    try:
+        _check_rates(platform, caller, policy)
+    except Rejected as r:
+        publish(ADMISSION_REJECTIONS, code=r.decision)
+        raise
     est, q = prepare(platform, policy, req)
     return {**q.as_dict(), "queue_class": est.queue_class, "resource_class": est.resource_class,
             "fairness_units": est.fairness_units, "estimate_version": est.estimate_version}
@@ -113,32 +200,32 @@ def _admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, ide
     key = validate_idempotency_key(idempotency_key)
     req_hash = request_hash(raw_body)
     with platform.db.connection() as conn:
-        record = conn.execute(
-            "select * from idempotency_record where tenant_id = %s and idempotency_key = %s", (caller.tenant_id, key)
-        ).fetchone()
-    if record is not None:
-        return _replay(record, req_hash)
-
-    with platform.db.connection() as conn:
+        record = conn.execute(SELECT_KEY, (caller.tenant_id, key)).fetchone()
+        if record is not None and holds_key(record, platform.clock.now()):
+            return _replay(record, req_hash)  # a replay, a key reused or still in progress: no rate spent
         policy = load_policy(conn, caller.tenant_id)
     _check_rates(platform, caller, policy)
-    est, q = prepare(platform, policy, req)
-    _check_lane(platform, policy, est)
-    _check_budgets(platform, caller, est)
+    token = _claim(platform, caller.tenant_id, key, req_hash)
+    if isinstance(token, Admitted):
+        return token
+    try:
+        est, q = prepare(platform, policy, req)
+        _check_lane(platform, policy, est)
+        _check_budgets(platform, caller, est)
 
-    def tx(conn: psycopg.Connection) -> Admitted:
-        got = conn.execute("select pg_try_advisory_xact_lock(hashtextextended(%s, 0)) as ok",
-                           (f"{IDEMPOTENCY_LOCK_NS}:{caller.tenant_id}:{key}",)).fetchone()["ok"]
-        if not got:
-            raise IdempotencyInProgress("a request with this Idempotency-Key is still being processed")
-        rec = conn.execute(
-            "select * from idempotency_record where tenant_id = %s and idempotency_key = %s", (caller.tenant_id, key)
-        ).fetchone()
-        if rec is not None:
-            return _replay(rec, req_hash)
-        return _admit_locked(platform, conn, caller, req, key, req_hash, policy, est, q)
+        def tx(conn: psycopg.Connection) -> Admitted:
+            rec = conn.execute(LOCK_KEY, (caller.tenant_id, key)).fetchone()
+            if rec is None or rec["status"] != "IN_PROGRESS" or rec["task_id"] != token:
+                # This request outlived its lock and another took the key over: that one answers.
+                if rec is not None and rec["status"] == "COMPLETED":
+                    return _replay(rec, req_hash)
+                raise IdempotencyInProgress("a request with this Idempotency-Key is still being processed")
+            return _admit_locked(platform, conn, caller, req, key, policy, est, q, task_id=token)
 
-    return platform.db.transaction(tx)
+        return platform.db.transaction(tx)
+    except BaseException:
+        _release(platform, caller.tenant_id, key, token)  # only our own IN_PROGRESS record: the key is free again
+        raise
 
 
 def _check_rates(platform, caller: Caller, policy: dict) -> None:
@@ -181,8 +268,8 @@ def _window_starts(platform, now: datetime) -> dict[str, datetime]:
     return out
 
 
-def _admit_locked(platform, conn, caller: Caller, req: GenerationRequest, key: str, req_hash: str,
-                  policy: dict, est: Estimate, q: Quote) -> Admitted:
+def _admit_locked(platform, conn, caller: Caller, req: GenerationRequest, key: str, policy: dict, est: Estimate,
+                  q: Quote, *, task_id: uuid.UUID) -> Admitted:
     now = platform.clock.now()
     wallet = lock_wallet(conn, caller.tenant_id)
     if wallet is None:
@@ -239,7 +326,6 @@ def _admit_locked(platform, conn, caller: Caller, req: GenerationRequest, key: s
 
     # The writes below mostly need no answer, so they travel together in pipeline mode.
     with conn.pipeline():
-        task_id = uuid.uuid4()
         start_at = now + timedelta(seconds=min(wait, 10 * 365 * 86400))
         conn.execute(
             """insert into generation_task
@@ -290,12 +376,9 @@ def _admit_locked(platform, conn, caller: Caller, req: GenerationRequest, key: s
             "quote": {"price_version_id": str(q.price_version_id), "quoted_amount": q.quoted_amount,
                       "max_reserve_amount": q.max_reserve_amount, "unit": q.unit},
         })
-        conn.execute(
-            """insert into idempotency_record (tenant_id, idempotency_key, request_hash, status, response_status, response_body,
-                                               task_id, created_at, expires_at)
-               values (%s, %s, %s, 'COMPLETED', 202, %s, %s, %s, %s)""",
-            (caller.tenant_id, key, req_hash, body, task_id, now, now + timedelta(seconds=platform.config.timers.idempotency_ttl_seconds)),
-        )
+        # The record this request claimed (locked at the start of the transaction) answers from now on.
+        conn.execute(COMPLETE_KEY, {"status": 202, "body": body, "t": caller.tenant_id, "k": key, "token": task_id,
+                                    "expires": now + platform.clock.delta(platform.config.timers.idempotency_ttl_seconds)})
     logger.info("task admitted", extra={"tenant_id": str(caller.tenant_id), "task_id": str(task_id), "decision": decision,
                                         "queue_class": lane, "fairness_units": u, "reserved": q.max_reserve_amount})
     return Admitted(202, body)

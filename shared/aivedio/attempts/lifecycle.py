@@ -150,10 +150,13 @@ def finish(conn: psycopg.Connection, loaded: Loaded, to_state: str, *, stage: st
     task, attempt = loaded.task, loaded.attempt
     extra: dict[str, Any] = {"finished_at": now}
     if error_code is not None:
+        # The internal code and the provider's text stay with the platform (the tenant's view maps
+        # the code through aivedio.tenant_errors); the provider's whole answer is on the attempt.
         extra.update(error_code=error_code, error_message=(error_message or "")[:1000] or None)
     if to_state == "SUCCEEDED":
-        mid = move(conn, loaded, "PROVIDER_SUCCEEDED", now)
-        loaded = Loaded(mid, attempt, loaded.current)
+        if task["state"] not in ("PROVIDER_SUCCEEDED", "MEDIA_PROCESSING"):  # a media stage may have got there first
+            mid = move(conn, loaded, "PROVIDER_SUCCEEDED", now)
+            loaded = Loaded(mid, attempt, loaded.current)
         if job is not None and job.output_url:
             conn.execute(
                 """insert into task_output (task_id, tenant_id, output_version, asset_type, object_key, url, content_type)
@@ -162,6 +165,8 @@ def finish(conn: psycopg.Connection, loaded: Loaded, to_state: str, *, stage: st
             )
     row = move(conn, loaded, to_state, now, **extra)
     fields: dict[str, Any] = {"state": attempt_state or to_state, "final_reason": stage, "lease_until": None}
+    if error_code is not None:
+        fields["error_code"] = error_code[:100]
     if job is not None:
         fields["raw_last_response"] = job.doc or {"id": job.id, "status": job.status}
         if job.usage is not None:
@@ -211,6 +216,33 @@ def requeue(conn: psycopg.Connection, loaded: Loaded, *, attempt_state: str, rea
     logger.info("task requeued", extra={"tenant_id": str(task["tenant_id"]), "task_id": str(task["task_id"]),
                                         "attempt_id": str(attempt["attempt_id"]), "reason": reason})
     return row
+
+
+def reopen_for_cancel(conn: psycopg.Connection, task: dict, attempt: dict, now: datetime) -> str | None:
+    """A cancel reached a task whose attempt workflow has ended (MANUAL_REVIEW, or a task past the
+    provider's success whose execution is gone): make the attempt live again with its lease already
+    expired, so the lease scanner (aivedio.attempts.recovery) starts a new execution. Its Begin reads
+    CANCEL_REQUESTED and takes the usual cancel path: ask the provider and apply its answer (a job
+    that already finished keeps its result), look the job up by its key when none is known, cancel
+    before submit when nothing was sent, or hand the task back to MANUAL_REVIEW when that cannot
+    decide. Either way it ends terminal, with its reservations released, or reviewable again;
+    nothing is left holding reservations with no workflow to finish it. A live attempt is left
+    alone: its running workflow reads the new state at its next step. Returns the attempt's new
+    state, or None when it was live. Runs under the task's row lock, in the caller's transaction."""
+    if attempt["state"] in LIVE:
+        return None
+    if attempt["provider_job_id"] is not None:
+        last = attempt["raw_last_response"] if isinstance(attempt["raw_last_response"], dict) else {}
+        state = "RUNNING" if last.get("status") == "running" else "SUBMITTED"
+    elif attempt["submit_started_at"] is None:
+        state = "DISPATCHING"  # never sent: the submit step cancels it before submitting
+    else:
+        state = "SUBMIT_UNKNOWN"  # maybe sent: only a lookup by its key can tell
+    ref = AttemptRef(task["tenant_id"], task["task_id"], attempt["attempt_id"], attempt["fencing_token"])
+    # cancel_sent_at cleared: this cancel is sent to the provider, whatever an earlier one did.
+    set_attempt(conn, ref, now, state=state, final_reason=None, lease_until=now, cancel_sent_at=None)
+    logger.info("attempt reopened for a cancel", extra={**ref.log(), "from_state": attempt["state"], "state": state})
+    return state
 
 
 def cancel_stage(attempt: dict) -> str:
