@@ -30,8 +30,8 @@ def _dt(s: str) -> datetime:
 def _run(args: argparse.Namespace, fn: Callable[[Any, Any], Any], *, transaction: bool = True,
          audit_refusal: str | None = None) -> int:
     """Build the platform, run fn(platform, conn) in one transaction, print the result. A money
-    operation named by `audit_refusal` that is refused leaves an audit row of its own: the refused
-    transaction wrote nothing, not even that."""
+    operation named by `audit_refusal` that a money control refuses leaves an audit row of its own:
+    the refused transaction wrote nothing, not even that."""
     from aivedio.cli import _emit, _platform
 
     platform = _platform(args)
@@ -41,7 +41,7 @@ def _run(args: argparse.Namespace, fn: Callable[[Any, Any], Any], *, transaction
         else:
             doc = fn(platform, None)
     except DomainError as e:
-        if audit_refusal is not None:
+        if audit_refusal is not None and e.code in AUDITED_REFUSALS:
             _audit_refused(platform, args, audit_refusal, e)
         err = {"error": e.code, "message": e.message, "details": e.details}
         if args.json:
@@ -53,6 +53,10 @@ def _run(args: argparse.Namespace, fn: Callable[[Any, Any], Any], *, transaction
         platform.close()
     _emit(doc, args.json)
     return 0
+
+
+# Refusals by the money controls (ch. 20.13.5) are audited; bad input still writes nothing at all.
+AUDITED_REFUSALS = ("REFUND_DAILY_LIMIT_EXCEEDED", "APPROVAL_REFUSED")
 
 
 def _audit_refused(platform, args: argparse.Namespace, action: str, e: DomainError) -> None:
