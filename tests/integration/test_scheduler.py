@@ -34,8 +34,8 @@ from aivedio.scheduling.ring import Ring, built_key
 from aivedio.scheduling.scheduler import Scheduler
 from tests.admission_support import new_tenant
 from tests.conftest import create_test_database, drop_test_database
-from tests.scheduler_support import (BODY_EXPENSIVE, OPEN, UNCAPPED, complete, counters, finish_all, pick_attempts, submit,
-                                     used)
+from tests.scheduler_support import (BODY_1U, BODY_EXPENSIVE, OPEN, UNCAPPED, complete, counters, finish_all, pick_attempts,
+                                     submit, used)
 
 pytestmark = pytest.mark.timeout(180)
 ENT, PAID, STD, BE = "ENTERPRISE_RESERVED", "PAID_SHARED", "STANDARD", "BEST_EFFORT"
@@ -278,6 +278,77 @@ def test_drr_gives_weights_4_2_1_their_share_of_a_saturated_lane(make_platform, 
     assert error <= 0.03, (shares, ideal, served)
     for n in weights:
         assert abs(shares[n] - ideal[n]) <= 0.03, (shares, ideal, served)
+
+
+def _shares_while_backlogged(p, conn, tenants: dict, weights: dict, *, finish_per_tick=None, max_rounds=300) -> Counter:
+    """Ticks as the deployed tick runs them (a new Scheduler per invocation), completing running
+    work between ticks, and counts claims per tenant while every tenant still has queued work."""
+    name_of = {t.tenant_id: n for n, t in tenants.items()}
+    served: Counter = Counter()
+    running: list = []  # oldest first, as a provider finishes equal jobs
+    for _ in range(max_rounds):
+        queued = {r["tenant_id"] for r in conn.execute(
+            "select distinct tenant_id from generation_task where state = 'QUEUED'").fetchall()}
+        if len(queued) < len(tenants):
+            break
+        Scheduler(p).tick(5)
+        claimed = pick_attempts(p, 1000)
+        for a in claimed:
+            served[name_of[a.tenant_id]] += 1
+        running += claimed
+        done, running = (running, []) if finish_per_tick is None else (running[:finish_per_tick], running[finish_per_tick:])
+        for a in done:
+            complete(p, a)
+    return served
+
+
+def _fairness_error(served: Counter, weights: dict) -> tuple[float, dict]:
+    total = sum(served.values())
+    shares = {n: served[n] / total for n in weights}
+    ideal = {n: w / sum(weights.values()) for n, w in weights.items()}
+    return max(abs(shares[n] - ideal[n]) for n in weights), shares
+
+
+def test_weights_hold_when_a_provider_account_binds_not_the_lane(make_platform, conn):
+    # The issue's case: a lane of 200 in front of one provider account of 6, three backlogged tenants
+    # at 4:2:1, a new Scheduler per tick as in AWS (and as the local tick loop calls the handler).
+    # Turns are cut short by the account, not the lane; they must resume across ticks.
+    cfg = PlatformConfig(providers=[ProviderConfig(name="sim-a", accounts=[ProviderAccount(account_id="a1", max_concurrency=6)])],
+                         lanes={ENT: LaneConfig(capacity_units=500, borrowable_units=0), PAID: LaneConfig(capacity_units=200)},
+                         limits=Limits(pool_shards=1), scheduler=SchedulerConfig(base_quantum=1))
+    p = start(make_platform, cfg)
+    weights = {"w4": 4, "w2": 2, "w1": 1}
+    tenants = {n: tenant(p, weight=w, **UNCAPPED) for n, w in weights.items()}
+    for n, t in tenants.items():
+        submit(p, t.tenant_id, t.user_id, n=30 * weights[n])
+    served = _shares_while_backlogged(p, conn, tenants, weights, finish_per_tick=2)
+    assert sum(served.values()) >= 60, served
+    error, shares = _fairness_error(served, weights)
+    print(f"provider-bound 4:2:1: shares {shares}, error {error:.4f}")
+    assert error <= 0.03, (shares, served)
+    assert used(conn, "provider-account:sim-a:a1") <= 6
+
+
+def test_each_provider_pool_follows_the_weights_of_the_tenants_backlogged_on_it(make_platform, conn):
+    # Two accounts, each serving one model: w4 and w1 order m-a (account of 4 slots), w2 and w2b order
+    # m-b (account of 2). Pool a's shares follow 4:1, pool b's 1:1, and the scarcity of one pool costs
+    # the tenants of the other nothing.
+    cfg = PlatformConfig(providers=[
+        ProviderConfig(name="prov-a", models=["m-a"], accounts=[ProviderAccount(account_id="a1", max_concurrency=4)]),
+        ProviderConfig(name="prov-b", models=["m-b"], accounts=[ProviderAccount(account_id="b1", max_concurrency=2)])],
+        lanes={ENT: LaneConfig(capacity_units=500, borrowable_units=0), PAID: LaneConfig(capacity_units=200)},
+        limits=Limits(pool_shards=1), scheduler=SchedulerConfig(base_quantum=1))
+    p = start(make_platform, cfg)
+    weights = {"w4": 4, "w1": 1, "w2": 2, "w2b": 2}
+    model = {"w4": "m-a", "w1": "m-a", "w2": "m-b", "w2b": "m-b"}
+    tenants = {n: tenant(p, weight=w, **UNCAPPED) for n, w in weights.items()}
+    for n, t in tenants.items():
+        submit(p, t.tenant_id, t.user_id, n=25 * weights[n], body={**BODY_1U, "model": model[n]})
+    served = _shares_while_backlogged(p, conn, tenants, weights, finish_per_tick=2)
+    for pool in (("w4", "w1"), ("w2", "w2b")):
+        error, shares = _fairness_error(Counter({n: served[n] for n in pool}), {n: weights[n] for n in pool})
+        print(f"pool {pool}: shares {shares}, error {error:.4f}")
+        assert sum(served[n] for n in pool) >= 20 and error <= 0.03, (pool, shares, served)
 
 
 def test_a_roomy_lane_grants_several_rounds_per_turn_with_the_same_shares(make_platform, conn):

@@ -20,7 +20,7 @@ from aivedio.billing.errors import BudgetExceeded, CurrencyMismatch
 from aivedio.observability import logger, metrics
 from aivedio.scheduling import router
 from aivedio.scheduling.claim import ENTERPRISE, LENDER_KEY, Claimed, NoRoom, claim
-from aivedio.scheduling.resources import free_units, preferred_shard
+from aivedio.scheduling.resources import account_key, free_units, preferred_shard
 from aivedio.scheduling.ring import Ring
 
 # Lanes whose tasks may borrow the enterprise lane's idle capacity (bounded by borrowable_units).
@@ -34,10 +34,11 @@ PROJECT_BUDGET_RETRY_SECONDS = 60
 @dataclass
 class VisitResult:
     outcome: str  # CLAIMED, CREDITED (banked deficit only), EMPTY, WAITING (not eligible yet), BUSY, CAPPED, SKIPPED,
-    #                BLOCKED, FULL
+    #                BLOCKED, FULL, HELD (its turn could not begin: the key it needs is full)
     claims: list[Claimed] = field(default_factory=list)
     more: bool = False  # the batch filled while deficit remains: the tenant's turn continues
     pending: bool = False  # stopped by shared capacity (FULL, or a BLOCKED head that holds the lane) with deficit left
+    wait_key: str | None = None  # the key the paused turn waits for (drr_lane_tenant.paused_on)
 
 
 @dataclass
@@ -69,6 +70,18 @@ def _waiting(conn, lane: str, tenant_id: UUID) -> bool:
         (lane, tenant_id)).fetchone()["w"]
 
 
+# Paused turns (migration 0100): the turn that capacity cut short, per key, oldest first.
+PAUSED_TURNS = """select tenant_id, paused_on, paused_kind from drr_lane_tenant
+                   where lane = %s and paused_kind is not null
+                   order by paused_kind = 'WAITING', case when paused_kind = 'TURN' then paused_at end,
+                            turn_ended_at nulls first, tenant_id"""
+CLEAR_PAUSE = """update drr_lane_tenant set paused_on = null, paused_at = null, paused_kind = null, updated_at = %s
+                  where lane = %s and tenant_id = %s and paused_kind is not null"""
+PROVIDER_FREE = """select coalesce(sum(greatest(0, least(capacity_units, coalesce(limit_units, capacity_units)) - used_units)),
+                              0)::bigint as free
+                     from resource_pool_shard where resource_key = any(%s)"""
+
+
 def _can_ever_fit(conn, key: str, task: dict) -> bool:
     """Whether the task's demand on `key` fits one shard of it when that shard is empty."""
     units = task["fairness_units"] if key.startswith("lane:") else task["provider_slot_units"]
@@ -85,6 +98,11 @@ class LaneView:
         self.platform, self.lane = platform, lane
         cfg = platform.config.lanes
         self.free = free_units(conn, f"lane:{lane}")
+        # Provider slots bind a claim as much as the lane does, and usually first (ch. 18.5.3): with
+        # none free anywhere no claim can succeed, and a lane "with room" would otherwise grant
+        # several rounds' quanta that the provider then cannot serve.
+        accounts = [account_key(p.name, a.account_id) for p in platform.config.providers for a in p.accounts]
+        self.provider_free = int(conn.execute(PROVIDER_FREE, (accounts,)).fetchone()["free"])
         self.can_borrow = False
         if lane in BORROWERS and cfg[ENTERPRISE].borrowable_units > 0:
             # Reserved demand returning stops new borrowing at once; running borrowed work finishes.
@@ -99,8 +117,17 @@ class LaneView:
             self.can_borrow = not reserved_waiting and self.borrow_room > 0
 
     @property
-    def has_room(self) -> bool:
+    def lane_has_room(self) -> bool:
         return self.free > 0 or self.can_borrow
+
+    @property
+    def has_room(self) -> bool:
+        return self.lane_has_room and self.provider_free > 0
+
+    @property
+    def scarce_room(self) -> int:
+        """The room of the scarcer of the lane and the providers' slots, for the rounds multiplier."""
+        return min(self.free, self.provider_free)
 
 
 class Scheduler:
@@ -109,8 +136,6 @@ class Scheduler:
         self.ring = Ring(platform)
         self.cfg = platform.config.scheduler
         self._ensured: set[tuple[str, int]] = set()
-        # lane -> tenant whose turn was cut short by capacity; the lane's next visit continues it.
-        self._resume: dict[str, UUID] = {}
         self._weight_max, self._weight_read_at = 1, None
 
     # -- one tenant visit ---------------------------------------------------------------------
@@ -132,14 +157,21 @@ class Scheduler:
                               (lane, tenant_id)).fetchone()
             if st is None:
                 return VisitResult("BUSY")
+            # A turn that capacity paused resumes as a continuation, in whichever process or tick
+            # visits next: its quantum was granted when it started.
+            resuming = continuation or st["paused_kind"] == "TURN"
             policy = _policy(conn, tenant_id)
             heads = head_tasks(conn, lane, tenant_id, now, self.cfg.fit_scan_depth)
             if not heads:
+                # The turn is over either way: a paused turn with nothing to claim must not hold its key.
                 if _waiting(conn, lane, tenant_id):
                     # Queued, but not eligible yet (a requeue's backoff after a 429): the tenant stays
                     # on the ring, or nothing would visit it again until the index is rebuilt.
+                    if st["paused_kind"] is not None:
+                        conn.execute(CLEAR_PAUSE, (now, lane, tenant_id))
                     return VisitResult("WAITING")
-                conn.execute("update drr_lane_tenant set active = false, updated_at = %s where lane = %s and tenant_id = %s",
+                conn.execute("""update drr_lane_tenant set active = false, paused_on = null, paused_at = null,
+                                        paused_kind = null, updated_at = %s where lane = %s and tenant_id = %s""",
                              (now, lane, tenant_id))
                 return VisitResult("EMPTY")
             quantum = self.cfg.base_quantum * policy["weight"]
@@ -148,7 +180,7 @@ class Scheduler:
                 deficit = min(deficit, policy["initial_burst_credit"])
             debt_paid = min(st["fairness_debt"], quantum // 2)
             cap = max(quantum * max(1, policy["burst_rounds"]), max(h["fairness_units"] for h in heads))
-            if continuation:
+            if resuming:
                 debt_paid = 0
             else:
                 deficit = min(deficit + quantum * rounds - debt_paid, cap * rounds)
@@ -156,6 +188,7 @@ class Scheduler:
             outcome = "CREDITED"
             pending = False
             too_big: int | None = None  # units of a head that did not fit the room left this visit
+            wait_key: str | None = None  # the shared key without room that stopped the turn
             # One shard index for every claim of this visit (see claim()): a per-task shard made two
             # concurrent batches lock shards in opposite orders and deadlock. Varies per visit.
             prefer = preferred_shard(tenant_id) + st["visits"]
@@ -165,8 +198,10 @@ class Scheduler:
                     break
                 if too_big is not None and task["fairness_units"] >= too_big:
                     continue  # fails the same way as the head that just did not fit
-                if not view.has_room:
-                    outcome, pending = "FULL", True  # as below, without a claim that must fail
+                if not view.lane_has_room:
+                    # as below, without a claim that must fail (full providers are left to the claim,
+                    # which names the key this task waits for)
+                    outcome, pending, wait_key = "FULL", True, f"lane:{lane}"
                     break
                 try:
                     c = self._claim_one(conn, task, policy, view, tier, now, prefer)
@@ -184,7 +219,7 @@ class Scheduler:
                     if free_units(conn, e.key) <= 0:
                         # The lane (or provider) is full: no task of any size fits, so this is not a
                         # skip. The turn pauses with its deficit and resumes when room frees.
-                        outcome, pending = "FULL", True
+                        outcome, pending, wait_key = "FULL", True, e.key
                         break
                     # Fit scan (ch. 18.6.7): skip a task that does not fit, in favour of this tenant's
                     # smaller tasks behind it, a bounded number of times; then stop skipping it so it
@@ -203,8 +238,10 @@ class Scheduler:
                     self._intervene(conn, lane, task, "HEAD_BLOCKED", {"resource": e.key, "skips": task["skip_count"]})
                     outcome = "BLOCKED"
                     pending = _can_ever_fit(conn, e.key, task)
+                    wait_key = e.key if pending else None
                     break
                 claims.append(c)
+                view.provider_free -= task["provider_slot_units"]
                 if c.capacity_mode == "BORROWED":  # the view's lending room shrinks claim by claim, so
                     view.borrow_room -= c.units  # one visit cannot lend into min_headroom_units
                     view.can_borrow = view.borrow_room > 0
@@ -217,15 +254,32 @@ class Scheduler:
             else:
                 next_fits = len(heads) >= self.cfg.fit_scan_depth and deficit > 0
             more = len(claims) >= batch and next_fits
-            if not more:  # the turn is over: nothing beyond one round's cap is banked
+            if wait_key is not None and not claims and not resuming:
+                # The key this tenant needs is full: its turn does not begin, so it is neither
+                # credited nor charged for the wait (ch. 18.6: a turn starts when work can be sent).
+                # It waits for the key with the other contenders; tenants whose work needs other
+                # keys (another provider account) go on meanwhile.
+                conn.execute(
+                    """update drr_lane_tenant set paused_on = %s, paused_kind = 'WAITING', updated_at = %s,
+                              paused_at = case when paused_on = %s and paused_kind = 'WAITING' then paused_at else %s end
+                        where lane = %s and tenant_id = %s""", (wait_key, now, wait_key, now, lane, tenant_id))
+                return VisitResult("HELD", wait_key=wait_key)
+            if pending or more:  # the turn goes on when its key has room (or at once, for `more`)
+                paused_on, kind = (wait_key if pending else f"lane:{lane}"), "TURN"
+                paused_at = st["paused_at"] if st["paused_on"] == paused_on and st["paused_kind"] == "TURN" else now
+                ended_at = st["turn_ended_at"]
+            else:
+                paused_on, kind, paused_at, ended_at = None, None, None, now
+            if not more:  # the turn is over, or waits for room: nothing beyond one round's cap is banked
                 deficit = min(deficit, cap)
             conn.execute(
                 """update drr_lane_tenant set deficit = %s, fairness_debt = fairness_debt - %s, active = true,
-                          served_units = served_units + %s, visits = visits + 1, last_active_at = %s, updated_at = %s
+                          served_units = served_units + %s, visits = visits + 1, last_active_at = %s, updated_at = %s,
+                          paused_on = %s, paused_kind = %s, paused_at = %s, turn_ended_at = %s
                     where lane = %s and tenant_id = %s""",
-                (max(0, deficit), debt_paid, served, now, now, lane, tenant_id),
+                (max(0, deficit), debt_paid, served, now, now, paused_on, kind, paused_at, ended_at, lane, tenant_id),
             )
-            return VisitResult("CLAIMED" if claims else outcome, claims, more, pending or more)
+            return VisitResult("CLAIMED" if claims else outcome, claims, more, pending or more, wait_key=paused_on)
 
         result = p.db.transaction(tx)
         if result.outcome == "EMPTY":
@@ -324,14 +378,17 @@ class Scheduler:
         return report
 
     def _rounds(self, view: LaneView, ring_size: int | None) -> int:
-        """How many DRR rounds the lane's free room holds for every active tenant at once, counting
-        each at the heaviest weight (so a round's quanta never add up to more than the room). While
-        room is scarce it is 1: the classic turn, a quantum each, so a newcomer waits about one slot
-        per backlogged tenant (ch. 18.6). With room to spare, a turn takes that many quanta: the same
-        weighted shares in fewer visits. Without the ring's size (conservative mode) it is 1."""
-        if not ring_size or view.free < 2 * ring_size * self.cfg.base_quantum:
+        """How many DRR rounds the free room holds for every active tenant at once, counting each at
+        the heaviest weight (so a round's quanta never add up to more than the room). The room is
+        the scarcer of the lane's and the providers' free slots: a lane of 200 in front of an account
+        of 6 is scarce. While room is scarce it is 1: the classic turn, a quantum each, so a newcomer
+        waits about one slot per backlogged tenant (ch. 18.6). With room to spare, a turn takes that
+        many quanta: the same weighted shares in fewer visits. Without the ring's size (conservative
+        mode) it is 1."""
+        room = view.scarce_room
+        if not ring_size or room < 2 * ring_size * self.cfg.base_quantum:
             return 1  # (not even two rounds at weight 1: no need to read the weights)
-        return max(1, view.free // (ring_size * self.cfg.base_quantum * self._max_weight()))
+        return max(1, room // (ring_size * self.cfg.base_quantum * self._max_weight()))
 
     def _max_weight(self) -> int:
         """The heaviest tenant weight, read at most once a minute (weights change by operator action)."""
@@ -342,48 +399,63 @@ class Scheduler:
             self._weight_read_at = now
         return self._weight_max
 
+    def _key_has_room(self, conn, view: LaneView, key: str) -> bool:
+        if key == f"lane:{view.lane}":
+            return view.lane_has_room
+        return free_units(conn, key) > 0
+
+    def _turn(self, lane: str, tenant: UUID, view: LaneView, conservative: bool, deadline: float, *,
+              continuation: bool = False, rounds: int = 1) -> tuple[VisitResult, int]:
+        """One tenant's turn: a visit, and its continuations while the batch fills with deficit left."""
+        r = self.visit(lane, tenant, view, conservative, continuation=continuation, rounds=rounds)
+        claimed = 0
+        while r.more and view.has_room and time.monotonic() < deadline:
+            claimed += len(r.claims)
+            r = self.visit(lane, tenant, view, conservative, continuation=True)
+        return r, claimed + len(r.claims)
+
     def _run_lane(self, lane: str, use_redis: bool, conservative: bool, deadline: float, report: TickReport) -> int:
         p = self.platform
         claimed = idle = 0
         with p.db.connection() as conn:
             view = LaneView(p, conn, lane)
             ring_size = self.ring.size(lane, use_redis)
+            paused = conn.execute(PAUSED_TURNS, (lane,)).fetchall() if view.has_room else []
+            # DRR keeps its pointer on a tenant until its deficit is spent: a turn cut short by
+            # capacity resumes first once the key it waits for has room, in whichever process or
+            # Lambda invocation ticks (the turn is in PostgreSQL). Rotating the ring on every freed
+            # slot instead gave each backlogged tenant one slot per turn, whatever its weight.
+            resumable = [row["tenant_id"] for row in paused if self._key_has_room(conn, view, row["paused_on"])]
+        for tenant in resumable:  # oldest first; a waiting tenant's turn begins here, with its quantum
+            if time.monotonic() >= deadline or not view.has_room:
+                break
+            r, n = self._turn(lane, tenant, view, conservative, deadline)
+            report.visits += 1
+            claimed += n
         limit_idle = min(self.cfg.max_idle_visits, (ring_size or self.cfg.max_idle_visits) + 1)
         # The multiplier is fixed for a whole rotation of the ring, so every tenant of a round gets
         # the same number of quanta; it is read again at the start of the next rotation.
         rounds, turns_left = self._rounds(view, ring_size), ring_size or 1
         while time.monotonic() < deadline and view.has_room:
-            # DRR keeps its pointer on a tenant until its deficit is spent: a turn cut short by
-            # capacity resumes first, as a continuation (no new quantum). Rotating the ring on every
-            # freed slot instead gave each backlogged tenant one slot per turn, whatever its weight.
-            resumed = self._resume.pop(lane, None)
-            if resumed is not None:
-                tenant = resumed
-            else:
-                with p.db.connection() as conn:
-                    tenant = self.ring.next(conn, lane, use_redis)
+            with p.db.connection() as conn:
+                tenant = self.ring.next(conn, lane, use_redis)
             if tenant is None:
                 break
-            if resumed is None:
-                if turns_left <= 0:
-                    rounds, turns_left = self._rounds(view, ring_size), ring_size or 1
-                turns_left -= 1
-            r = self.visit(lane, tenant, view, conservative, continuation=resumed is not None, rounds=rounds)
+            if turns_left <= 0:
+                rounds, turns_left = self._rounds(view, ring_size), ring_size or 1
+            turns_left -= 1
+            r, n = self._turn(lane, tenant, view, conservative, deadline, rounds=rounds)
             report.visits += 1
-            while r.more and view.has_room and time.monotonic() < deadline:
-                claimed += len(r.claims)
-                r = self.visit(lane, tenant, view, conservative, continuation=True)
-            if r.claims:
-                claimed += len(r.claims)
+            if n:
+                claimed += n
                 idle = 0
             elif r.outcome != "CREDITED":  # a visit that only banked deficit is progress too
                 idle += 1
-            if r.pending and (not r.more or not view.has_room):
-                self._resume[lane] = tenant
-                break
+            if r.pending and not view.lane_has_room:
+                break  # the lane itself is full: the paused turn resumes first when it frees
             if idle >= limit_idle:
                 break
-            if r.claims or idle % 8 == 7:
+            if n or idle % 8 == 7:
                 with p.db.connection() as conn:
                     view = LaneView(p, conn, lane)
         return claimed
