@@ -71,8 +71,14 @@ def _waiting(conn, lane: str, tenant_id: UUID) -> bool:
 
 
 # Paused turns (migration 0100): the turn that capacity cut short, per key, oldest first.
-PAUSED_TURNS = """select tenant_id, paused_on, paused_kind from drr_lane_tenant
-                   where lane = %s and paused_kind is not null
+# The first few per key are enough: a tick resumes about as many turns on a key as it has free slots.
+PAUSED_TURNS = """select tenant_id, paused_on, paused_kind from (
+                    select tenant_id, paused_on, paused_kind, paused_at, turn_ended_at,
+                           row_number() over (partition by paused_on
+                                              order by paused_kind = 'WAITING', case when paused_kind = 'TURN' then paused_at end,
+                                                       turn_ended_at nulls first, tenant_id) as n
+                      from drr_lane_tenant where lane = %(lane)s and paused_kind is not null) q
+                   where n <= %(per_key)s
                    order by paused_kind = 'WAITING', case when paused_kind = 'TURN' then paused_at end,
                             turn_ended_at nulls first, tenant_id"""
 CLEAR_PAUSE = """update drr_lane_tenant set paused_on = null, paused_at = null, paused_kind = null, updated_at = %s
@@ -399,11 +405,6 @@ class Scheduler:
             self._weight_read_at = now
         return self._weight_max
 
-    def _key_has_room(self, conn, view: LaneView, key: str) -> bool:
-        if key == f"lane:{view.lane}":
-            return view.lane_has_room
-        return free_units(conn, key) > 0
-
     def _turn(self, lane: str, tenant: UUID, view: LaneView, conservative: bool, deadline: float, *,
               continuation: bool = False, rounds: int = 1) -> tuple[VisitResult, int]:
         """One tenant's turn: a visit, and its continuations while the batch fills with deficit left."""
@@ -420,12 +421,19 @@ class Scheduler:
         with p.db.connection() as conn:
             view = LaneView(p, conn, lane)
             ring_size = self.ring.size(lane, use_redis)
-            paused = conn.execute(PAUSED_TURNS, (lane,)).fetchall() if view.has_room else []
+            paused = conn.execute(PAUSED_TURNS, {"lane": lane, "per_key": self.cfg.max_idle_visits}).fetchall() \
+                if view.has_room else []
             # DRR keeps its pointer on a tenant until its deficit is spent: a turn cut short by
             # capacity resumes first once the key it waits for has room, in whichever process or
             # Lambda invocation ticks (the turn is in PostgreSQL). Rotating the ring on every freed
             # slot instead gave each backlogged tenant one slot per turn, whatever its weight.
-            resumable = [row["tenant_id"] for row in paused if self._key_has_room(conn, view, row["paused_on"])]
+            room = {key: (1 << 30 if view.lane_has_room else 0) if key == f"lane:{lane}" else free_units(conn, key)
+                    for key in {row["paused_on"] for row in paused}}
+            resumable = []
+            for row in paused:  # at most one visit per free slot of the key
+                if room[row["paused_on"]] > 0:
+                    room[row["paused_on"]] -= 1
+                    resumable.append(row["tenant_id"])
         for tenant in resumable:  # oldest first; a waiting tenant's turn begins here, with its quantum
             if time.monotonic() >= deadline or not view.has_room:
                 break
