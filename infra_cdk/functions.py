@@ -58,11 +58,15 @@ PROFILES: dict[str, FunctionProfile] = {
         # Admission probes input media (aivedio.media.probe): https:// URLs need the internet,
         # s3:// inputs are read from the media bucket's uploads.
         internet=True, media_read_prefixes=("inputs/",)),
+    # The relay and the tick are continuous schedules (aivedio.events_routing): a run polls until
+    # near its timeout, two schedule periods, so a new run starts while the last still polls
+    # (infra_cdk/messaging.py checks it). Both wait for wake-ups on Redis between idle polls.
     "outbox_relay": FunctionProfile(
-        "Publishes outbox events to their SQS queues", timeout_seconds=60, database=True, publishes_events=True),
+        "Publishes outbox events to their SQS queues, polling continuously", timeout_seconds=120, database=True,
+        redis=True, publishes_events=True),
     "scheduler_tick": FunctionProfile(
-        "Scheduling tick: lane, tenant by DRR, atomic claims", memory_mb=1024, timeout_seconds=60,
-        database=True, redis=True),
+        "Scheduling tick: lane, tenant by DRR, atomic claims, polling continuously", memory_mb=1024,
+        timeout_seconds=120, database=True, redis=True),
     "scheduler_maintenance": FunctionProfile(
         "Aging, starvation detector, queue-index rebuild", timeout_seconds=120, database=True, redis=True),
     "queue_indexer": FunctionProfile(

@@ -6,7 +6,11 @@
 - a catch-all queue ("*") for event types no function consumes yet: the relay publishes them
   there instead of failing them, nobody consumes it, and messages expire after a day or a few;
 - one EventBridge schedule per entry of SCHEDULES, invoking the function asynchronously with no
-  retries and a one-minute maximum event age (the next tick replaces a lost one)."""
+  retries and a one-minute maximum event age (the next tick replaces a lost one). A continuous
+  schedule (the relay, the tick) must have a function whose run outlasts the schedule period
+  (timeout >= CONTINUOUS_PERIODS periods: its handler polls until near the timeout) and room for
+  two runs at once (reserved concurrency, where the stage reserves any, >= CONTINUOUS_RUNS): a run
+  starts every minute while the last still polls, so one is always in progress."""
 from __future__ import annotations
 
 import json
@@ -26,6 +30,8 @@ from infra_cdk.stages import StageConfig
 MAX_RECEIVES = 5
 BATCH_SIZE = 10
 VISIBILITY_TIMEOUT_FACTOR = 6  # AWS's advice for SQS event sources: 6 x the function timeout
+CONTINUOUS_PERIODS = 2  # a continuous schedule's function timeout, in schedule periods
+CONTINUOUS_RUNS = 2  # the runs of a continuous schedule that overlap
 
 
 def _queue(scope: Construct, cid: str, *, name: str, retention_days: int, visibility: Duration | None = None,
@@ -73,12 +79,26 @@ class Messaging(Construct):
         self.rules: dict[str, events.Rule] = {}
         for s in events_routing.SCHEDULES:
             fn = functions[s.function]
+            if s.continuous:
+                _check_continuous(s, fn, stage)
             fn.function.configure_async_invoke(retry_attempts=0, max_event_age=Duration.minutes(1))
             rule = events.Rule(self, f"schedule-{s.name}", rule_name=f"{stage.prefix}-{s.name}",
                                description=f"invokes {fn.function.function_name} ({s.name})",
                                schedule=events.Schedule.rate(Duration.minutes(s.aws_every_minutes)))
             rule.add_target(targets.LambdaFunction(fn.function, retry_attempts=0, max_event_age=Duration.minutes(1)))
             self.rules[s.name] = rule
+
+
+def _check_continuous(s: events_routing.Schedule, fn, stage: StageConfig) -> None:
+    period = 60 * s.aws_every_minutes
+    if fn.profile.timeout_seconds < CONTINUOUS_PERIODS * period:
+        raise SystemExit(f"schedule {s.name} is continuous: {s.function}'s timeout ({fn.profile.timeout_seconds}s) must be at "
+                         f"least {CONTINUOUS_PERIODS * period}s, so each run polls past the next one's start "
+                         "(infra_cdk/functions.py PROFILES)")
+    reserved = stage.reserved_concurrency.get(s.function)
+    if reserved is not None and reserved < CONTINUOUS_RUNS:
+        raise SystemExit(f"schedule {s.name} is continuous: stage {stage.name} reserves {reserved} concurrency for "
+                         f"{s.function}; two runs overlap, so it needs at least {CONTINUOUS_RUNS} (infra_cdk/stages.py)")
 
 
 def _json(scope: Construct, value: dict[str, str]) -> str:

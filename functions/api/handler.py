@@ -8,6 +8,7 @@ from aws_lambda_powertools.logging import correlation_paths
 
 from aivedio import __version__
 from aivedio.observability import logger
+from aivedio.outbox import waking_relay
 from functions.api import errors
 from functions.api.resolver import ThreadLocalRestResolver
 from functions.api.routes import auth, generations, health, providers, wallet
@@ -51,4 +52,5 @@ def lambda_handler(event: dict, context) -> dict:
     refused = auth.gate(app, event)
     if refused is not None:
         return refused
-    return app.resolve(event, context)
+    with waking_relay():  # an admission's TaskQueued, a webhook's terminal event: relayed now
+        return app.resolve(event, context)

@@ -1,38 +1,42 @@
-"""The scheduling tick: EventBridge invokes it on a schedule; it loops for a bounded time, claiming
-in small batches, and is safe to run as many concurrent replicas (claims are CAS and conditional
-increments; a tenant's DRR row is locked SKIP LOCKED). Locally the `scheduler-tick` loop calls it,
-and a release wakes that loop early."""
+"""The scheduling tick, a continuous schedule (aivedio.events_routing): in AWS each run keeps
+ticking until near its timeout, claiming in small batches; while idle it ticks every
+`timers.scheduler_tick_seconds`, and at once when woken (aivedio.wakeups): by the queue indexer
+when a tenant joins a ring, by the outbox relay when a terminal task freed capacity. A new run
+starts every minute and two overlap, so one is always ticking. Replicas are safe: claims are CAS
+and conditional increments, and a tenant's DRR row is locked SKIP LOCKED. Locally the
+`scheduler-tick` loop calls it, one tick a run, at the same interval and woken the same way.
+
+After a tick that claimed, the relay is woken, so the claims' TaskDispatchRequested go out now."""
 from __future__ import annotations
 
-import time
-
+from aivedio import events_routing
 from aivedio.context import get_platform
 from aivedio.observability import logger
 from aivedio.scheduling.gauges import publish_gauges
 from aivedio.scheduling.scheduler import Scheduler
+from aivedio.wakeups import ContinuousRun
 
 RESERVE_MILLIS = 5_000
-IDLE_PAUSE_SECONDS = 1.0
 
 
 @logger.inject_lambda_context(clear_state=True)
 def lambda_handler(event: dict, context) -> dict:
     platform = get_platform()
     scheduler = Scheduler(platform)
+    run = ContinuousRun(platform, events_routing.TICK, context, reserve_millis=RESERVE_MILLIS)
     total = visits = 0
     conservative = False
-    while True:
-        remaining = context.get_remaining_time_in_millis() - RESERVE_MILLIS
-        budget = min(platform.config.scheduler.tick_budget_seconds, remaining / 1000.0)
-        if budget <= 0:
-            break
+    while (budget := min(platform.config.scheduler.tick_budget_seconds, run.seconds_left())) > 0:
         report = scheduler.tick(budget)
         total, visits = total + report.claims, visits + report.visits
         conservative |= report.conservative
-        if platform.extras.get("local_runtime") or report.claims == 0:
-            break  # locally the loop calls again; in AWS an idle tick ends and the next schedule comes
-        time.sleep(0)
+        if report.claims:
+            platform.wake(events_routing.RELAY)
+        publish_gauges(platform)  # at most once a minute per process
+        if report.claims and not run.local:
+            continue  # there may be more it can claim now (locally the loop calls again)
+        if not run.idle():
+            break
     if total:
         logger.info("scheduler tick", extra={"claims": total, "visits": visits, "conservative": conservative})
-    publish_gauges(platform)  # at most once a minute per process
     return {"claims": total, "visits": visits, "conservative": conservative}

@@ -24,12 +24,20 @@ class Platform:
     extras: dict[str, Any] = field(default_factory=dict)  # wake-up events, simulator handles, ...
 
     def wake(self, name: str) -> None:
-        """Run the local loop `name` now instead of at its next interval; a no-op in Lambda."""
+        """Run loop `name` now instead of at its next interval: the local loop of this process, else
+        (in AWS) a continuous Lambda run waiting on Redis (aivedio.wakeups); a no-op without Redis."""
         event = self.extras.get("wake", {}).get(name)
         if event is not None:
             event.set()
+        elif self.cache is not None:
+            from aivedio import wakeups
+
+            wakeups.push(self.cache, name)
 
     def close(self) -> None:
+        held = self.extras.pop("wake_redis", None)
+        if held is not None:
+            held[1].close()
         if self.cache is not None:
             self.cache.close()
         self.db.close()

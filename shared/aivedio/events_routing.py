@@ -7,6 +7,13 @@ schedule. The one table both runtimes read:
   function, points AIVEDIO_EVENT_QUEUES of the outbox relay at it for each of its event types, and
   makes one EventBridge schedule per entry of SCHEDULES.
 
+A continuous schedule (the outbox relay, the scheduler tick) is on the path from an event to the
+work it starts, so in AWS its handler does not end when idle: each run keeps polling until near its
+timeout, every `local_interval` when idle, woken earlier by aivedio.wakeups; the CDK app gives it a
+timeout of two schedule periods and reserved concurrency for two, so a new run starts every minute
+while the last is still polling and one is always in progress. WAKES says which relayed event types
+wake which loop: a terminal task released its capacity, so the tick runs at once.
+
 A capability that adds a consumer or a periodic job adds one line here, and both places follow.
 One event type has at most one consumer: the relay sends each event to one queue (see
 functions/outbox_relay). Event types nobody consumes go to the catch-all queue in AWS and to no one
@@ -31,11 +38,18 @@ class Subscription:
 
 
 @dataclass(frozen=True)
+class Wake:
+    event_type: str  # once the relay has published an event of this type ...
+    loop: str  # ... it wakes this loop (a name of SCHEDULES)
+
+
+@dataclass(frozen=True)
 class Schedule:
     name: str  # the loop name locally; the EventBridge rule is aivedio-<stage>-<name>
     function: str  # a directory under functions/
-    local_interval: Callable[[PlatformConfig], float]  # platform seconds between local runs
+    local_interval: Callable[[PlatformConfig], float]  # platform seconds between local runs (and idle polls)
     aws_every_minutes: int  # EventBridge's finest rate is one minute; the handler loops within a run
+    continuous: bool = False  # in AWS a run polls until near its timeout, and two overlap (see above)
 
     @property
     def module(self) -> str:
@@ -50,9 +64,11 @@ SUBSCRIPTIONS: tuple[Subscription, ...] = (
     Subscription("TaskCancelled", "settlement"),
 )
 
+RELAY, TICK = "outbox-relay", "scheduler-tick"
+
 SCHEDULES: tuple[Schedule, ...] = (
-    Schedule("outbox-relay", "outbox_relay", lambda c: c.timers.outbox_relay_seconds, 1),
-    Schedule("scheduler-tick", "scheduler_tick", lambda c: c.timers.scheduler_tick_seconds, 1),
+    Schedule(RELAY, "outbox_relay", lambda c: c.timers.outbox_relay_seconds, 1, continuous=True),
+    Schedule(TICK, "scheduler_tick", lambda c: c.timers.scheduler_tick_seconds, 1, continuous=True),
     Schedule("scheduler-maintenance", "scheduler_maintenance", lambda c: c.timers.aging_step_seconds / 4, 1),
     Schedule("attempt-recovery", "attempt_recovery", lambda c: c.timers.attempt_recovery_seconds, 1),
     Schedule("credit-expiry", "credit_expiry", lambda c: c.billing.credit_expiry_seconds, 5),
@@ -60,6 +76,29 @@ SCHEDULES: tuple[Schedule, ...] = (
     Schedule("idempotency-purge", "idempotency_purge", lambda c: idempotency_purge.INTERVAL_SECONDS,
              idempotency_purge.AWS_EVERY_MINUTES),
 )
+
+
+# A terminal task released its reservations in the transaction that wrote its event: the tick may
+# claim the next task on the freed capacity. (A requeue writes TaskQueued, whose consumer, the queue
+# indexer, wakes the tick once the tenant is on its ring.)
+WAKES: tuple[Wake, ...] = (
+    Wake("TaskSucceeded", TICK),
+    Wake("TaskFailed", TICK),
+    Wake("TaskCancelled", TICK),
+)
+
+
+def schedule(name: str) -> Schedule:
+    for s in SCHEDULES:
+        if s.name == name:
+            return s
+    raise KeyError(f"no schedule {name!r} in aivedio.events_routing.SCHEDULES")
+
+
+def woken_by(event_types) -> list[str]:
+    """The loops to wake once events of these types were published, in table order, once each."""
+    types = set(event_types)
+    return list(dict.fromkeys(w.loop for w in WAKES if w.event_type in types))
 
 
 def consumers() -> dict[str, tuple[str, ...]]:
@@ -84,3 +123,8 @@ def check() -> None:
     for s in SCHEDULES:
         if s.aws_every_minutes < 1:
             raise ValueError(f"schedule {s.name}: EventBridge rates are whole minutes")
+        if s.continuous and s.aws_every_minutes != 1:
+            raise ValueError(f"schedule {s.name}: a continuous schedule starts a run every minute")
+    for w in WAKES:
+        if w.loop not in names:
+            raise ValueError(f"wake {w.event_type} -> {w.loop!r}: no such schedule")

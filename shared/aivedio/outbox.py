@@ -6,12 +6,19 @@ and only if the change does. The relay claims due PENDING rows with FOR UPDATE S
 concurrent relays never deliver the same row at once), delivers each, and marks it PUBLISHED only
 after delivery returned. A failed delivery is retried with exponential backoff and becomes FAILED
 after Limits.outbox_max_attempts, where an operator sees it. A crash between delivery and commit
-delivers again: consumers deduplicate with mark_processed()."""
+delivers again: consumers deduplicate with mark_processed().
+
+The relay polls (in AWS a continuous run, aivedio.wakeups), and a writer need not wait for its next
+poll: a handler wrapped in waking_relay() wakes the relay once it has written events, after its
+transactions committed, so a TaskQueued or a terminal event is relayed at once. The poll stays the
+safety net for a wake that is lost."""
 from __future__ import annotations
 
 import json
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
@@ -75,6 +82,34 @@ select * from unnest(%(ids)s::uuid[], %(types)s::text[], %(aggregate_types)s::te
 """
 
 
+_written = threading.local()  # events written by this thread: waking_relay() compares the count
+
+
+def _count_written(n: int) -> None:
+    _written.n = getattr(_written, "n", 0) + n
+
+
+def written() -> int:
+    """How many events this thread has written so far (rolled-back ones included)."""
+    return getattr(_written, "n", 0)
+
+
+@contextmanager
+def waking_relay() -> Iterator[None]:
+    """Around a handler's whole invocation: when it wrote events, wake the outbox relay once it is
+    done, so they are relayed now rather than at the relay's next poll. Its transactions have
+    committed by then (a rolled-back event only costs the relay one empty poll)."""
+    before = written()
+    try:
+        yield
+    finally:
+        if written() != before:
+            from aivedio.context import get_platform
+            from aivedio.events_routing import RELAY
+
+            get_platform().wake(RELAY)
+
+
 def write_event(
     conn: psycopg.Connection,
     event_type: str,
@@ -99,6 +134,7 @@ def write_event(
             "payload": Jsonb(payload),
         },
     )
+    _count_written(1)
     return event_id
 
 
@@ -112,6 +148,7 @@ def write_events(conn: psycopg.Connection, event_type: str, *, aggregate_type: s
     conn.execute(INSERT_EVENTS, {"ids": ids, "types": [event_type] * len(events), "aggregate_types": [aggregate_type] * len(events),
                                  "aggregate_ids": [e[0] for e in events], "tenants": [e[1] for e in events],
                                  "payloads": [json.dumps(e[2]) for e in events]})
+    _count_written(len(ids))
     return ids
 
 
@@ -134,9 +171,9 @@ def retry_delay_seconds(platform: Platform, attempts_before: int) -> float:
     return platform.clock.real_seconds(platform_seconds)
 
 
-def relay_once(platform: Platform, deliver: Deliver, batch: int = 100) -> int:
-    """Deliver up to `batch` due events; returns how many were published. Rows another relay
-    holds are skipped, not waited for."""
+def relay_once(platform: Platform, deliver: Deliver, batch: int = 100, *, published_types: set[str] | None = None) -> int:
+    """Deliver up to `batch` due events; returns how many were published, and adds their types to
+    `published_types` when given. Rows another relay holds are skipped, not waited for."""
     max_attempts = platform.config.limits.outbox_max_attempts
     published: list[UUID] = []
     failed = 0
@@ -163,6 +200,8 @@ def relay_once(platform: Platform, deliver: Deliver, batch: int = 100) -> int:
                         metrics.add("outbox.failed", event_type=row["event_type"])
                 else:
                     published.append(row["event_id"])
+                    if published_types is not None:
+                        published_types.add(row["event_type"])
             if published:
                 cur.execute(MARK_PUBLISHED, {"ids": published})
     if published:

@@ -15,7 +15,7 @@ from aivedio.config import PlatformConfig
 from aivedio.local import runtime
 from infra_cdk.functions import PROFILES
 from infra_cdk.messaging import MAX_RECEIVES, VISIBILITY_TIMEOUT_FACTOR
-from tests.infra.helpers import lambdas, queue_name
+from tests.infra.helpers import capabilities, lambdas, queue_name
 
 
 def _queues(synth, stage):
@@ -99,3 +99,74 @@ def test_the_local_runtime_reads_the_same_table():
     for s in events_routing.SCHEDULES + events_routing.SUBSCRIPTIONS:
         assert re.fullmatch(r"functions\.[a-z_]+\.handler", s.module)
         assert s.module.split(".")[1] in PROFILES
+
+
+# --- continuous schedules: the relay and the tick are always running -----------------------------
+
+def test_continuous_schedules_always_have_a_run_in_progress(synth, stage):
+    """Each run polls until RESERVE before its timeout, which is two schedule periods: a new run
+    starts every minute while the last still polls, so one is always there; the stage leaves room
+    for the two at once; a stale event is dropped, never retried."""
+    from functions.outbox_relay.handler import RESERVE_MILLIS as RELAY_RESERVE
+    from functions.scheduler_tick.handler import RESERVE_MILLIS as TICK_RESERVE
+    from infra_cdk.messaging import CONTINUOUS_PERIODS, CONTINUOUS_RUNS
+
+    template = synth.template_json(stage, "App")
+    fns = lambdas(template)
+    rules = {r["Properties"]["Name"]: r for r in synth.resources(stage, "App", "AWS::Events::Rule").values()}
+    configs = {r["Properties"]["FunctionName"]["Ref"]: r["Properties"]
+               for r in template["Resources"].values() if r["Type"] == "AWS::Lambda::EventInvokeConfig"}
+    continuous = {s.function: s for s in events_routing.SCHEDULES if s.continuous}
+    assert set(continuous) == {"outbox_relay", "scheduler_tick"}
+    reserve = {"outbox_relay": RELAY_RESERVE, "scheduler_tick": TICK_RESERVE}
+    for name, s in continuous.items():
+        props = fns[name]["Properties"]
+        assert rules[f"aivedio-{stage}-{s.name}"]["Properties"]["ScheduleExpression"] == "rate(1 minute)"
+        period = 60 * s.aws_every_minutes
+        assert props["Timeout"] == CONTINUOUS_PERIODS * period == 120
+        run_seconds = props["Timeout"] - reserve[name] / 1000
+        assert period < run_seconds < 2 * period, f"{name}: a run of {run_seconds}s must outlast one period, not two"
+        assert props.get("ReservedConcurrentExecutions") >= CONTINUOUS_RUNS, name
+        cfg = configs[fns[name]["logical_id"]]
+        assert cfg["MaximumRetryAttempts"] == 0 and cfg["MaximumEventAgeInSeconds"] == 60
+        # Between idle polls they wait for wake-ups on Redis (aivedio.wakeups).
+        assert props["Environment"]["Variables"]["AIVEDIO_REDIS_URL"] != "none", name
+
+
+def test_the_relay_and_the_tick_may_do_exactly_what_polling_needs(synth, stage):
+    """IAM least privilege for the two continuous functions, spelled out: the database, the Redis
+    secret (wake-ups), and for the relay sending to the event queues; nothing else (no Lambda
+    invoke, no queue to consume)."""
+    template = synth.template_json(stage, "App")
+    fns = lambdas(template)
+    base = {"logs", "vpc-eni", "xray", "config-parameter", "db", "redis-secret"}
+    sends = {f"send:{queue_name(stage, c)}" for c in events_routing.consumers()} | {f"send:{queue_name(stage, 'unrouted')}"}
+    assert capabilities(template, fns["scheduler_tick"]) == base
+    assert capabilities(template, fns["outbox_relay"]) == base | sends
+
+
+def test_a_continuous_schedule_needs_a_long_enough_run_and_room_for_two(monkeypatch):
+    from dataclasses import replace
+
+    from infra_cdk import messaging
+    from infra_cdk.stages import STAGES
+
+    s = events_routing.schedule(events_routing.RELAY)
+    fn = SimpleNamespace(profile=replace(PROFILES["outbox_relay"], timeout_seconds=60))
+    with pytest.raises(SystemExit, match="timeout"):
+        messaging._check_continuous(s, fn, STAGES["dev"])
+    fn = SimpleNamespace(profile=PROFILES["outbox_relay"])
+    stage = replace(STAGES["dev"], reserved_concurrency={**STAGES["dev"].reserved_concurrency, "outbox_relay": 1})
+    with pytest.raises(SystemExit, match="at least 2"):
+        messaging._check_continuous(s, fn, stage)
+    messaging._check_continuous(s, fn, STAGES["dev"])
+
+
+def test_queue_consumers_are_invoked_without_a_batching_window(synth, stage):
+    """A TaskQueued and a TaskDispatchRequested each cross one queue on the way to the provider: a
+    batching window would add up to its length to each hop, so none is configured (the mapping
+    invokes as soon as its long poll returns messages)."""
+    mappings = synth.resources(stage, "App", "AWS::Lambda::EventSourceMapping")
+    assert mappings
+    for m in mappings.values():
+        assert m["Properties"].get("MaximumBatchingWindowInSeconds", 0) == 0, m["Properties"]["FunctionName"]

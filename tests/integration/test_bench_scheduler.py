@@ -1,12 +1,14 @@
 """A smoke test of the scheduler benchmarks (`aivedio bench --only scheduler`): each benchmark
 function at tiny sizes, on the real PostgreSQL and Redis. It checks the report's shape and that the
-claims it reports happened in the database, never the timings."""
+claims it reports happened in the database, never the timings (the latency benchmark: that its
+figures exist and are sane, never how small they are)."""
 from __future__ import annotations
 
 import psycopg
 import pytest
 import redis
 
+from aivedio.bench.latency import pair_freed_slots, queue_was_deep
 from aivedio.bench.scheduler import DATABASE_PREFIX, REDIS_PREFIX, bench_claims, bench_pick_cost, bench_queue_depth
 from tests.conftest import admin_url
 
@@ -76,3 +78,30 @@ def test_claim_rate_against_queue_depth(redis_url, no_leftovers):
         assert r[k]["measured_in_db"]["attempts"] == r[k]["claims"]
         assert r[k]["db_after"]["dispatching"] == r[k]["db_after"]["attempts"]
     assert r["ratio_large_vs_small"] > 0
+
+
+def test_latency_on_the_local_runtime(redis_url, no_leftovers):
+    from aivedio.bench.latency import bench_latency
+
+    r = bench_latency(admin_url(), redis_url, seconds=4.0, rate=10.0, clients=2, bound_slots=2, tenants=2)
+    adm, freed = r["admission_to_submit"], r["freed_slot_to_next_submit"]
+    for figure in (adm, freed, freed["from_release"]):
+        assert figure["samples"] > 0
+        assert 0 < figure["p50_ms"] <= figure["p99_ms"] <= figure["max_ms"]
+    assert adm["accepted"] == adm["samples"] > 0 and adm["never_submitted"] == 0
+    assert adm["statuses"] == {"202": adm["accepted"]} and freed["statuses"] == {"202": freed["accepted"]}
+    # The bound account was the binding limit: full, never over, with work left queued.
+    assert freed["account_peak"] == freed["bound_slots"] == 2
+    assert freed["queued_at_end"] > 0 and freed["samples"] < freed["jobs_created"]
+    assert set(adm["stages_p50_ms"]) == {"queued_event_relayed", "claimed", "dispatch_event_relayed", "submit_started",
+                                         "provider_created"}
+    assert r["loop_intervals_seconds"]["outbox-relay"] > 0 and r["loop_intervals_seconds"]["scheduler-tick"] > 0
+
+
+def test_freed_slots_are_paired_first_freed_first_filled():
+    # Two slots freed at 1.0 and 1.2 s, filled at 1.1 and 1.5 s; the first fill (0.0, 0.1) has no freed slot.
+    assert pair_freed_slots([1.0, 1.2], [0.0, 0.1, 1.1, 1.5]) == pytest.approx([100.0, 300.0])
+    # A slot freed while nothing was queued gives no sample, and the pairing goes on.
+    assert pair_freed_slots([1.0, 1.2], [0.0, 0.1, 1.1, 1.5], lambda t: t > 1.1) == pytest.approx([300.0])
+    deep = queue_was_deep(admitted=[0.0, 0.1, 0.2, 0.3], created=[0.05, 0.15], margin=1)
+    assert not deep(0.1) and deep(0.3)

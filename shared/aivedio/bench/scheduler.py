@@ -11,7 +11,10 @@ PostgreSQL server that pgbench measures:
   pick in turn, so the machine's other load weighs on each alike;
 - the claim rate with 1,000,000 queued tasks against the rate with 10,000: same tenants, same
   config, one scheduler process per setting, ticks alternating between the two settings until each
-  has made a fixed number of claims.
+  has made a fixed number of claims;
+- latency from an event to the work it starts (aivedio.bench.latency, under `latency`): admission
+  to submit, and freed slot to next submit while a provider account binds, on the real local
+  runtime with its provider simulators.
 
 Setup is bulk SQL (INSERT ... SELECT generate_series), not admission: the scheduler never reads
 wallets or credit reservations, so none are written. Scratch databases and Redis keys are dropped
@@ -444,7 +447,7 @@ def bench_queue_depth(admin_url: str, redis_url: str | None, *, tenants: int = 1
 
 def bench_scheduler(admin_url: str, redis_url: str | None, *, workers: int, seconds: float,
                     pgbench_clients: int | None = None) -> dict:
-    """All three, the first beside pgbench's tpcb-like TPS measured just before it on the same server.
+    """All four, the first beside pgbench's tpcb-like TPS measured just before it on the same server.
     The load average is recorded at each step: other work on the machine moves every figure."""
     import os
 
@@ -464,5 +467,9 @@ def bench_scheduler(admin_url: str, redis_url: str | None, *, workers: int, seco
     load["after_pick_cost"] = os.getloadavg()[0]
     report["queue_depth"] = bench_queue_depth(admin_url, redis_url)
     load["after_queue_depth"] = os.getloadavg()[0]
+    from aivedio.bench.latency import bench_latency
+
+    report["latency"] = bench_latency(admin_url, redis_url, seconds=seconds)
+    load["after_latency"] = os.getloadavg()[0]
     report["load_average_1m"] = {k: round(v, 2) for k, v in load.items()}
     return report
