@@ -260,7 +260,7 @@ class Scheduler:
             else:
                 next_fits = len(heads) >= self.cfg.fit_scan_depth and deficit > 0
             more = len(claims) >= batch and next_fits
-            if wait_key is not None and not claims and not resuming:
+            if outcome == "FULL" and wait_key is not None and not claims and not resuming:
                 # The key this tenant needs is full: its turn does not begin, so it is neither
                 # credited nor charged for the wait (ch. 18.6: a turn starts when work can be sent).
                 # It waits for the key with the other contenders; tenants whose work needs other
@@ -440,6 +440,8 @@ class Scheduler:
             r, n = self._turn(lane, tenant, view, conservative, deadline)
             report.visits += 1
             claimed += n
+            if r.pending and r.outcome == "BLOCKED":
+                return claimed  # its head holds the lane until it fits
         limit_idle = min(self.cfg.max_idle_visits, (ring_size or self.cfg.max_idle_visits) + 1)
         # The multiplier is fixed for a whole rotation of the ring, so every tenant of a round gets
         # the same number of quanta; it is read again at the start of the next rotation.
@@ -459,8 +461,10 @@ class Scheduler:
                 idle = 0
             elif r.outcome != "CREDITED":  # a visit that only banked deficit is progress too
                 idle += 1
-            if r.pending and not view.lane_has_room:
-                break  # the lane itself is full: the paused turn resumes first when it frees
+            if r.pending and (not view.lane_has_room or r.outcome == "BLOCKED"):
+                # The lane is full, or a head that does not fit yet holds it (see visit): the paused
+                # turn resumes first when room frees.
+                break
             if idle >= limit_idle:
                 break
             if n or idle % 8 == 7:

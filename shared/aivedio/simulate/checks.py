@@ -12,9 +12,10 @@ def collect(conn: psycopg.Connection, clock, stats) -> dict:
     s = clock.sim_seconds
     tasks = []
     for r in conn.execute(
-        """select task_id, tenant_id, queue_class, fairness_units, provider_slot_units, enqueue_at, started_at, finished_at,
-                  capacity_mode, state, idempotency_key, skip_count, aging_promotions, priority_band
-             from generation_task""").fetchall():
+        """select t.task_id, t.tenant_id, t.queue_class, t.fairness_units, t.provider_slot_units, t.enqueue_at, t.started_at,
+                  t.finished_at, t.capacity_mode, t.state, t.idempotency_key, t.skip_count, t.aging_promotions, t.priority_band,
+                  t.model_code, t.resolution, t.duration_seconds, a.provider, a.provider_account
+             from generation_task t left join task_attempt a on a.attempt_id = t.current_attempt_id""").fetchall():
         start, end = s(r["started_at"]), s(r["finished_at"])
         runtime = stats.runtimes.get(r["task_id"])
         tasks.append({
@@ -22,6 +23,8 @@ def collect(conn: psycopg.Connection, clock, stats) -> dict:
             "slots": int(r["provider_slot_units"]), "enqueue": s(r["enqueue_at"]), "start": start, "end": end,
             "runtime": runtime, "mode": r["capacity_mode"], "state": r["state"], "key": r["idempotency_key"],
             "skips": r["skip_count"], "aging": r["aging_promotions"], "band": r["priority_band"],
+            "model": r["model_code"], "resolution": r["resolution"], "duration_seconds": r["duration_seconds"],
+            "provider": r["provider"], "account": r["provider_account"],
         })
     interventions = [dict(r) for r in conn.execute(
         "select lane, tenant_id, task_id, kind, detail from scheduler_intervention order by intervention_id").fetchall()]

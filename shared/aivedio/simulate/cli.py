@@ -1,5 +1,7 @@
 """`aivedio simulate --scenario NAME [--json] [--policy drr|fifo|both]`: one JSON document on stdout
-with --json (a short summary without it); progress logs on stderr."""
+with --json (a short summary without it); progress logs on stderr. `--param
+fresh_scheduler_per_tick=false` keeps one Scheduler for the whole run instead of a new one per tick
+(the tick handler builds one per call, and `aivedio serve` calls it once a tick)."""
 from __future__ import annotations
 
 import argparse
@@ -50,15 +52,26 @@ def _summary(doc: dict) -> None:
     for t in doc["targets"]:
         vals = {k: v for k, v in t.items() if k not in ("name", "target", "met")}
         w(f"  [{'ok' if t['met'] else 'MISSED' if t['met'] is False else '--'}] {t['name']}: {vals}  (target {t['target']})\n")
+    w(f"  scheduler: {'a new Scheduler per tick' if doc['simulation']['fresh_scheduler_per_tick'] else 'one Scheduler for the run'}\n")
     for pol, r in doc["runs"].items():
-        w(f"  {pol}: {r['run']['stop_reason']} at t={r['end_seconds']:.0f}s, utilisation {r['utilisation']['when_work_queued']}, "
-          f"interventions {r['interventions']}\n")
+        w(f"  {pol}: {r['run']['stop_reason']} at t={r['end_seconds']:.0f}s, utilisation of the binding capacity "
+          f"{r['utilisation']['when_work_queued']}, interventions {r['interventions']}\n")
         for lane, ld in r["lanes"].items():
             w(f"    {lane}: fairness_error {ld['fairness_error']} jain {ld['jain_index']} "
               f"saturated {ld['saturated_windows']}/{ld['windows']} waits {ld['wait_seconds']}\n")
-            for name, tr in (ld.get("tenants") or {}).items():
-                w(f"      {name}: w={tr['weight']} share {tr['share']} fair {tr['fair_share']} waits {tr['wait_seconds']}\n")
+            _tenant_lines(w, ld, "      ")
+            for pool, pd in r.get("pools", {}).get(lane, {}).items():
+                if pd.get("same_as_lane"):
+                    continue
+                w(f"      pool {pool}: fairness_error {pd['fairness_error']} jain {pd['jain_index']} "
+                  f"saturated {pd['saturated_windows']}/{pd['windows']} waits {pd['wait_seconds']}\n")
+                _tenant_lines(w, pd, "        ")
     w(f"  wall {doc['wall_seconds']} s; --json for every figure\n")
+
+
+def _tenant_lines(w, doc: dict, indent: str) -> None:
+    for name, tr in (doc.get("tenants") or {}).items():
+        w(f"{indent}{name}: w={tr['weight']} share {tr['share']} fair {tr['fair_share']} waits {tr['wait_seconds']}\n")
 
 
 def register(sub) -> None:
@@ -67,7 +80,7 @@ def register(sub) -> None:
     s.add_argument("--policy", choices=["drr", "fifo", "both"], default="both")
     s.add_argument("--json", action="store_true")
     s.add_argument("--param", type=_param, action="append", metavar="NAME=VALUE",
-                   help="override a scenario parameter, e.g. --param whale_tasks=1000")
+                   help="override a scenario parameter, e.g. --param whale_tasks=1000 or --param fresh_scheduler_per_tick=false")
     s.add_argument("--redis", choices=["auto", "none"], default="auto",
                    help="none: run without Redis (the scheduler's conservative mode on the PostgreSQL ring)")
     s.add_argument("--serial", action="store_true", help="run the policies one after the other, not in two processes")

@@ -5,7 +5,15 @@
 - an arrival goes through the real `admit()`, then puts its tenant on the lane's ring, as the queue
   indexer does for a TaskQueued event;
 - a claim comes from the real `Scheduler.tick()` (policy "drr") or from the FIFO baseline, both of
-  which end in `aivedio.scheduling.claim.claim`;
+  which end in `aivedio.scheduling.claim.claim`; with the scenario's fresh_scheduler_per_tick (the
+  default) every tick gets a new `Scheduler(platform)`, as every call of the tick handler
+  (functions/scheduler_tick/handler.py) builds one and `aivedio serve` calls it once per tick, so
+  nothing a Scheduler keeps in memory outlives a tick (in AWS one continuous run keeps its Scheduler
+  for up to two minutes, and two runs overlap: between the two settings); without it one Scheduler
+  serves the whole run;
+- capacity is the config's: the lanes' units and the provider accounts' max_concurrency are the
+  resource_pool_shard rows the runner created with `aivedio.bootstrap.apply_config`, which the claim
+  reserves (lane, account and model keys) and the completion below releases;
 - the simulated provider runs each claimed attempt for `units x runtime_per_unit` platform seconds
   (times a jitter drawn from a hash of the task's key, so both policies agree): at the claim the task
   goes DISPATCHING -> RUNNING with started_at, at the end RUNNING -> PROVIDER_SUCCEEDED -> SUCCEEDED
@@ -101,6 +109,7 @@ class RunStats:
     rejected: dict[str, int] = field(default_factory=dict)
     maintenance_runs: int = 0
     cas_lost: int = 0
+    schedulers_built: int = 0
     runtimes: dict[UUID, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -108,6 +117,7 @@ class RunStats:
                 "wall_seconds": round(self.wall_seconds, 2), "dispatches": self.dispatches, "retry_ticks": self.retry_ticks,
                 "claims": self.claims, "visits": self.visits, "admitted_during_run": self.admitted,
                 "rejected": self.rejected, "maintenance_runs": self.maintenance_runs, "cas_lost": self.cas_lost,
+                "schedulers_built": self.schedulers_built,
                 "dispatch_wall_seconds": round(self.dispatch_wall_seconds, 2),
                 "claims_per_dispatch_wall_second": round(self.claims / self.dispatch_wall_seconds, 1)
                 if self.dispatch_wall_seconds else None,
@@ -148,7 +158,7 @@ class Simulation:
         self.group_of = {t.tenant_id: t.group for t in tenants.values()}
         self.group_left = {g: n for g, n in group_totals.items() if g in scenario.stop_when_done}
         self.ring = Ring(platform)
-        self.scheduler = Scheduler(platform)
+        self.scheduler: Scheduler | None = None
         self.fifo = FifoPolicy(platform)
         self.seed = seed
         self.heap: list[tuple[int, int, int, object]] = []
@@ -247,7 +257,7 @@ class Simulation:
     def _dispatch(self) -> int:
         t0 = time.monotonic()
         if self.policy == "drr":
-            r = self.scheduler.tick(budget_seconds=300.0, lanes=self.sc.lanes)
+            r = self._scheduler().tick(budget_seconds=300.0, lanes=self.sc.lanes)
             claims = r.claims
             self.stats.visits += r.visits
         else:
@@ -261,6 +271,14 @@ class Simulation:
             self.tick_at = _ms(self.clock.t + self.tick_seconds)
             self._push(self.tick_at, TICK, None)
         return claims
+
+    def _scheduler(self) -> Scheduler:
+        """A new Scheduler for this tick (as the tick handler builds one per call), or the run's one
+        Scheduler when the scenario keeps it."""
+        if self.scheduler is None or self.sc.fresh_scheduler_per_tick:
+            self.scheduler = Scheduler(self.p)
+            self.stats.schedulers_built += 1
+        return self.scheduler
 
     def _room_with_work(self) -> bool:
         now = self.clock.now()

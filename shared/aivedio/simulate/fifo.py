@@ -3,8 +3,11 @@
 Same workload, same claim (`aivedio.scheduling.claim.claim`, with the same routes, resource keys and
 borrowing rule), but no tenants: each lane takes its oldest queued task by enqueue_at (ties, such as
 a backlog admitted at one instant, in index order), and when that task does not fit, the lane waits
-for it (head-of-line). A task stopped only by its own tenant's or
-user's running cap is passed over, since that cap is a contract limit and not a scheduling choice."""
+for it (head-of-line). Head-of-line is per provider pool: a task whose routes have no free slot
+(its model's accounts are full) holds back the lane's other tasks of that model only, and tasks of
+models served by other accounts go on, as a FIFO queue per pool would. A task stopped only by its own
+tenant's or user's running cap is passed over, since that cap is a contract limit and not a
+scheduling choice."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ class FifoPolicy:
         p = self.platform
         claimed = 0
         passed_over: set = set()
+        full_models: set[str] = set()  # models whose provider accounts had no room: their heads wait
         while True:
             now = p.clock.now()
             with p.db.connection() as conn:
@@ -44,13 +48,17 @@ class FifoPolicy:
                 heads = conn.execute(
                     """select * from generation_task
                         where state = 'QUEUED' and queue_class = %s and next_eligible_at <= %s
+                          and not (model_code = any(%s))
                         order by enqueue_at limit %s""",
-                    (lane, now, SCAN + len(passed_over)), prepare=False,  # a generic plan for queue_class = $1 scans the queue
+                    (lane, now, list(full_models), SCAN + len(passed_over)),
+                    prepare=False,  # a generic plan for queue_class = $1 scans the queue
                 ).fetchall()
             heads = [h for h in heads if h["task_id"] not in passed_over]
             if not heads or not view.has_room:
                 return claimed
             for task in heads:
+                if task["model_code"] in full_models:
+                    continue
                 try:
                     p.db.transaction(lambda conn, task=task: self._claim(conn, task, view, now))
                 except NoRoom as e:
@@ -59,7 +67,10 @@ class FifoPolicy:
                     if e.tenant_bound:
                         passed_over.add(task["task_id"])
                         continue
-                    return claimed  # head-of-line: the lane waits for its oldest task
+                    if e.key.startswith("lane:") or e.key == LENDER_KEY:
+                        return claimed  # head-of-line: the lane waits for its oldest task
+                    full_models.add(task["model_code"])  # its pool waits for it; other pools go on
+                    continue
                 claimed += 1
                 with p.db.connection() as conn:
                     view = LaneView(p, conn, lane)  # free units and borrowing room after this claim

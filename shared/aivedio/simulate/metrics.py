@@ -15,7 +15,18 @@ capped there and the rest is re-shared among the others.
 
 Fairness error (Armada's): the sum over tenants of the shortfall below the fair share, as a fraction
 of the total delivered, summed over all saturated windows. Jain's index is over x_i = delivered /
-fair share (so 1.0 is perfectly weight-fair with capped tenants counted as fair)."""
+fair share (so 1.0 is perfectly weight-fair with capped tenants counted as fair).
+
+Pools. A task's pool is the set of provider accounts able to run it (router.candidates: the model,
+resolution and duration it asks for). Where the accounts' slots bind rather than the lane's units,
+the shares that matter are those within a pool: the same figures are computed per lane and, under
+`pools`, per (lane, pool), with saturation meaning the pool had queued work for the whole window.
+
+Utilisation is of the binding capacity: at each moment some work is queued, the larger of the fill
+of the provider accounts that queued work could run on (their slots in use over their
+max_concurrency) and the lowest fill of a lane with queued work. So a run whose accounts are full
+while its lane has units to spare is fully used, and one that leaves an account with waiting work
+idle is not, whatever the other accounts do."""
 from __future__ import annotations
 
 import bisect
@@ -23,6 +34,8 @@ import math
 from collections import defaultdict
 
 from aivedio.scheduling.claim import ENTERPRISE
+from aivedio.scheduling.resources import account_key
+from aivedio.scheduling.router import candidates
 from aivedio.scheduling.scheduler import BORROWERS
 from aivedio.simulate.scenarios import Scenario
 
@@ -96,6 +109,20 @@ class Run:
         self.drr = data["drr"]
         self.cfg = scenario.config
         self.lanes = sorted({t["lane"] for t in self.tasks}, key=lambda lane: scenario.lanes.index(lane) if lane in scenario.lanes else 99)
+        # Provider accounts (resource key -> max_concurrency); each task's pool and the account it ran on.
+        self.accounts = {account_key(p.name, a.account_id): a.max_concurrency for p in self.cfg.providers for a in p.accounts}
+        routes: dict[tuple, tuple[str, ...]] = {}
+        for t in self.tasks:
+            ask = (t.get("model"), t.get("resolution"), t.get("duration_seconds"))
+            if ask not in routes:
+                routes[ask] = tuple(sorted(account_key(p.name, a.account_id) for p, a in candidates(self.cfg, *ask))) \
+                    if ask[0] is not None else tuple(self.accounts)
+            t["accounts"] = routes[ask]
+            t["pool"] = " | ".join(routes[ask]) or "no account"
+            t["ran_on"] = account_key(t["provider"], t["account"]) if t.get("provider") and t["start"] is not None else None
+        self.pools = sorted({(t["lane"], t["pool"]) for t in self.tasks},
+                            key=lambda lp: (self.lanes.index(lp[0]), lp[1]))
+        self.pool_accounts = {t["pool"]: t["accounts"] for t in self.tasks}
 
     # -- waits -------------------------------------------------------------------------------------------
     def wait(self, t: dict) -> float | None:
@@ -105,11 +132,15 @@ class Run:
         return (t["start"] if t["start"] is not None else self.end) - t["enqueue"]
 
     # -- saturation, delivery, fair shares ------------------------------------------------------------------
-    def _queue_gaps(self, lane: str) -> list[tuple[float, float]]:
-        """Intervals of positive length during which the lane had nothing queued."""
+    @staticmethod
+    def _in(t: dict, lane: str, pool: str | None) -> bool:
+        return t["lane"] == lane and (pool is None or t["pool"] == pool)
+
+    def _queue_gaps(self, lane: str, pool: str | None = None) -> list[tuple[float, float]]:
+        """Intervals of positive length during which the lane (or its pool) had nothing queued."""
         deltas: dict[float, int] = defaultdict(int)
         for t in self.tasks:
-            if t["lane"] != lane:
+            if not self._in(t, lane, pool):
                 continue
             deltas[t["enqueue"]] += 1
             if t["start"] is not None:
@@ -125,9 +156,9 @@ class Run:
                 gaps.append((max(ts, 0.0), min(nxt, self.end)))
         return [g for g in gaps if g[1] > g[0]]
 
-    def saturated_windows(self, lane: str) -> list[tuple[float, float]]:
+    def saturated_windows(self, lane: str, pool: str | None = None) -> list[tuple[float, float]]:
         W = self.sc.window_seconds
-        gaps = self._queue_gaps(lane)
+        gaps = self._queue_gaps(lane, pool)
         out = []
         for k in range(int(self.end // W)):
             a, b = k * W, (k + 1) * W
@@ -135,14 +166,14 @@ class Run:
                 out.append((a, b))
         return out
 
-    def fairness(self, lane: str) -> dict:
+    def fairness(self, lane: str, pool: str | None = None) -> dict:
         W = self.sc.window_seconds
-        windows = self.saturated_windows(lane)
+        windows = self.saturated_windows(lane, pool)
         index = {int(a // W): (a, b) for a, b in windows}
         delivered: dict[int, dict] = defaultdict(lambda: defaultdict(float))
         potential: dict[int, dict] = defaultdict(lambda: defaultdict(float))
         for t in self.tasks:
-            if t["lane"] != lane:
+            if not self._in(t, lane, pool):
                 continue
             key = t["tenant_id"]
             start, rt, u = t["start"], t["runtime"], t["units"]
@@ -183,7 +214,7 @@ class Run:
                 agg_f[i] += fair[i]
         # Completion rate over the saturated windows (tasks per second), for the whale's DRR ideal.
         sat_time = len(windows) * W
-        completions = sum(1 for t in self.tasks if t["lane"] == lane and t["end"] is not None
+        completions = sum(1 for t in self.tasks if self._in(t, lane, pool) and t["end"] is not None
                           and int(t["end"] // W) in index and t["end"] < self.end)
         xs = [agg_d[i] / agg_f[i] for i in agg_f if agg_f[i] > EPS]
         # How many DRR rounds the saturated windows hold: a round gives each backlogged tenant up to
@@ -224,9 +255,14 @@ class Run:
         normal: dict[str, int] = defaultdict(int)
         borrowed: dict[str, int] = defaultdict(int)
         slots = 0
-        acc = {"time_queued": 0.0, "u": 0.0, "slot_u": 0.0, "below_95_time": 0.0}
+        acct_used: dict[str, int] = defaultdict(int)  # slots in use per provider account
+        acct_queued: dict[str, int] = defaultdict(int)  # queued tasks each account could run
+        acc = {"time_queued": 0.0, "u": 0.0, "slot_u": 0.0, "binding_slot_u": 0.0, "below_95_time": 0.0,
+               "slots_bind": 0.0, "lane_binds": 0.0}
         lane_acc = {lane: {"time_queued": 0.0, "u": 0.0, "idle_unit_seconds": 0.0} for lane in self.lanes}
+        acct_acc = {a: {"time_queued": 0.0, "u": 0.0, "idle_slot_seconds": 0.0} for a in self.accounts}
         max_slots = 0
+        max_acct: dict[str, int] = defaultdict(int)
         max_normal: dict[str, int] = defaultdict(int)
         max_lent = max_ent_used = 0
         borrowed_while_reserved_waiting = 0
@@ -241,9 +277,16 @@ class Run:
                 lane = t["lane"]
                 if kind == 0:
                     queued[lane] += 1
+                    for a in t["accounts"]:
+                        acct_queued[a] += 1
                 elif kind == 1:
                     queued[lane] -= 1
+                    for a in t["accounts"]:
+                        acct_queued[a] -= 1
                     slots += t["slots"]
+                    if t["ran_on"] is not None:
+                        acct_used[t["ran_on"]] += t["slots"]
+                        max_acct[t["ran_on"]] = max(max_acct[t["ran_on"]], acct_used[t["ran_on"]])
                     if t["mode"] == "BORROWED":
                         borrowed[lane] += t["units"]
                         borrowed_starts.append(t)
@@ -251,6 +294,8 @@ class Run:
                         normal[lane] += t["units"]
                 else:
                     slots -= t["slots"]
+                    if t["ran_on"] is not None:
+                        acct_used[t["ran_on"]] -= t["slots"]
                     if t["mode"] == "BORROWED":
                         borrowed[lane] -= t["units"]
                     else:
@@ -290,16 +335,30 @@ class Run:
                 la["time_queued"] += dt
                 la["u"] += lu * dt
                 la["idle_unit_seconds"] += max(0, eff - used) * dt
-            u = max(slot_u, min(lane_us))
+            # The accounts that queued work could run on: their fill is the binding slots' utilisation.
+            q_accts = [a for a in self.accounts if acct_queued[a] > 0]
+            q_cap = sum(self.accounts[a] for a in q_accts)
+            binding_slot_u = sum(min(acct_used[a], self.accounts[a]) for a in q_accts) / q_cap if q_cap else 0.0
+            for a in q_accts:
+                aa = acct_acc[a]
+                aa["time_queued"] += dt
+                aa["u"] += min(1.0, acct_used[a] / self.accounts[a]) * dt
+                aa["idle_slot_seconds"] += max(0, self.accounts[a] - acct_used[a]) * dt
+            lane_u = min(lane_us)
+            u = max(binding_slot_u, lane_u)
             acc["time_queued"] += dt
             acc["u"] += u * dt
             acc["slot_u"] += slot_u * dt
+            acc["binding_slot_u"] += binding_slot_u * dt
+            acc["slots_bind" if binding_slot_u >= lane_u else "lane_binds"] += dt
             if u < 0.95:
                 acc["below_95_time"] += dt
         tq = acc["time_queued"]
         inv = {
-            "provider_slots_never_above_max_concurrency": {"ok": max_slots <= slots_total, "max_slots_in_use": max_slots,
-                                                            "max_concurrency": slots_total},
+            "provider_slots_never_above_max_concurrency": {
+                "ok": max_slots <= slots_total and all(max_acct[a] <= cap for a, cap in self.accounts.items()),
+                "max_slots_in_use": max_slots, "max_concurrency": slots_total,
+                "by_account": {a: {"max_slots_in_use": max_acct[a], "max_concurrency": cap} for a, cap in self.accounts.items()}},
             "lane_units_never_above_capacity": {"ok": all(max_normal[lane] <= lanes_cfg[lane].capacity_units for lane in max_normal)
                                                 and max_ent_used <= ent.capacity_units,
                                                 "max_normal_units": dict(max_normal), "max_enterprise_units_incl_lent": max_ent_used},
@@ -312,15 +371,25 @@ class Run:
             "utilisation": {
                 "when_work_queued": round(acc["u"] / tq, 4) if tq else None,
                 "provider_slots_when_work_queued": round(acc["slot_u"] / tq, 4) if tq else None,
+                "binding_provider_slots_when_work_queued": round(acc["binding_slot_u"] / tq, 4) if tq else None,
+                "seconds_provider_slots_fuller_than_lane": round(acc["slots_bind"], 1),
+                "seconds_lane_fuller_than_provider_slots": round(acc["lane_binds"], 1),
                 "seconds_with_work_queued": round(tq, 1),
                 "seconds_below_95_percent_while_queued": round(acc["below_95_time"], 1),
                 "by_lane": {lane: {"when_lane_queued": round(v["u"] / v["time_queued"], 4) if v["time_queued"] else None,
                                    "seconds_lane_queued": round(v["time_queued"], 1),
                                    "idle_unit_seconds_while_queued": round(v["idle_unit_seconds"], 1)}
                             for lane, v in lane_acc.items()},
-                "definition": "time-average, over the moments some lane has queued work, of max(provider slots in use / "
-                              "max_concurrency, the lowest lane fill among lanes with queued work); a lane's fill counts "
-                              "the enterprise units it may borrow at that moment",
+                "by_account": {a: {"max_concurrency": self.accounts[a],
+                                   "when_account_queued": round(v["u"] / v["time_queued"], 4) if v["time_queued"] else None,
+                                   "seconds_account_queued": round(v["time_queued"], 1),
+                                   "idle_slot_seconds_while_queued": round(v["idle_slot_seconds"], 1)}
+                               for a, v in acct_acc.items()},
+                "definition": "utilisation of the binding capacity: time-average, over the moments some lane has queued "
+                              "work, of max(slots in use / max_concurrency over the provider accounts that queued work "
+                              "could run on, the lowest lane fill among lanes with queued work); a lane's fill counts the "
+                              "enterprise units it may borrow at that moment. provider_slots_when_work_queued is over all "
+                              "accounts, binding_provider_slots_when_work_queued over those with work waiting",
             },
             "invariants": inv,
             "_borrowed_series": borrowed_series,
@@ -353,6 +422,45 @@ class Run:
                 "longest_waits_without_intervention": sorted(worst, reverse=True)[:5]}
 
     # -- the report of one run ---------------------------------------------------------------------------
+    def _share_doc(self, f: dict, lane: str, pool: str | None, kinds: dict) -> dict:
+        """The figures of one fairness() result, with a row per tenant (or per group, when many)."""
+        rows: dict = {}
+        tenants = defaultdict(list)
+        for t in self.tasks:
+            if self._in(t, lane, pool):
+                tenants[t["tenant_id"]].append(t)
+        for tid, ts in tenants.items():
+            d, fs = f["_delivered"].get(tid, 0.0), f["_fair"].get(tid, 0.0)
+            waits = [w for w in (self.wait(t) for t in ts) if w is not None]
+            rows[tid] = {
+                "tenant": ts[0]["tenant"], "group": ts[0]["group"], "weight": ts[0]["weight"],
+                "tasks": len(ts), "tasks_started": sum(1 for t in ts if t["start"] is not None),
+                "units_started": sum(t["units"] for t in ts if t["start"] is not None),
+                "delivered_units_saturated": round(d, 2), "fair_units_saturated": round(fs, 2),
+                "share": round(d / f["_total"], 4) if f["_total"] else None,
+                "fair_share": round(fs / f["_total"], 4) if f["_total"] else None,
+                "delivered_over_fair": round(d / fs, 4) if fs > EPS else None,
+                "wait_seconds": wait_stats(waits),
+                "still_queued": sum(1 for t in ts if t["start"] is None),
+                "oldest_still_queued_waited": round(max((self.end - t["enqueue"] for t in ts if t["start"] is None), default=0.0), 1),
+                "borrowed_units": sum(t["units"] for t in ts if t["mode"] == "BORROWED"),
+                "borrowed_tasks": sum(1 for t in ts if t["mode"] == "BORROWED"),
+                "interventions": dict(kinds.get((lane, tid), {})) if pool is None else {},
+                "_waits": waits,
+            }
+        doc = {k: v for k, v in f.items() if not k.startswith("_")}
+        doc["wait_seconds"] = wait_stats([w for r in rows.values() for w in r["_waits"]])
+        if pool is None:
+            doc["interventions"] = {k: sum(r["interventions"].get(k, 0) for r in rows.values())
+                                    for k in sorted({k for r in rows.values() for k in r["interventions"]})}
+            doc["borrowed_units"] = sum(r["borrowed_units"] for r in rows.values())
+        if len(rows) <= TENANT_LIST_LIMIT:
+            doc["tenants"] = {r["tenant"]: {k: v for k, v in r.items() if not k.startswith("_") and k != "tenant"}
+                              for r in sorted(rows.values(), key=lambda r: r["tenant"])}
+        else:
+            doc["tenants_by_group"] = self._groups(rows)
+        return doc
+
     def analyse(self) -> dict:
         sweep = self.sweep()
         kinds = defaultdict(lambda: defaultdict(int))
@@ -363,47 +471,26 @@ class Run:
         for lane in self.lanes:
             f = self.fairness(lane)
             fair_by_lane[lane] = f
-            rows: dict = {}
-            tenants = defaultdict(list)
-            for t in self.tasks:
-                if t["lane"] == lane:
-                    tenants[t["tenant_id"]].append(t)
-            for tid, ts in tenants.items():
-                d, fs = f["_delivered"].get(tid, 0.0), f["_fair"].get(tid, 0.0)
-                waits = [w for w in (self.wait(t) for t in ts) if w is not None]
-                rows[tid] = {
-                    "tenant": ts[0]["tenant"], "group": ts[0]["group"], "weight": ts[0]["weight"],
-                    "tasks": len(ts), "tasks_started": sum(1 for t in ts if t["start"] is not None),
-                    "units_started": sum(t["units"] for t in ts if t["start"] is not None),
-                    "delivered_units_saturated": round(d, 2), "fair_units_saturated": round(fs, 2),
-                    "share": round(d / f["_total"], 4) if f["_total"] else None,
-                    "fair_share": round(fs / f["_total"], 4) if f["_total"] else None,
-                    "delivered_over_fair": round(d / fs, 4) if fs > EPS else None,
-                    "wait_seconds": wait_stats(waits),
-                    "still_queued": sum(1 for t in ts if t["start"] is None),
-                    "oldest_still_queued_waited": round(max((self.end - t["enqueue"] for t in ts if t["start"] is None), default=0.0), 1),
-                    "borrowed_units": sum(t["units"] for t in ts if t["mode"] == "BORROWED"),
-                    "borrowed_tasks": sum(1 for t in ts if t["mode"] == "BORROWED"),
-                    "interventions": dict(kinds.get((lane, tid), {})),
-                    "_waits": waits,
-                }
-            lane_doc = {k: v for k, v in f.items() if not k.startswith("_")}
-            lane_doc["wait_seconds"] = wait_stats([w for r in rows.values() for w in r["_waits"]])
-            lane_doc["interventions"] = {k: sum(r["interventions"].get(k, 0) for r in rows.values())
-                                         for k in sorted({k for r in rows.values() for k in r["interventions"]})}
-            lane_doc["borrowed_units"] = sum(r["borrowed_units"] for r in rows.values())
-            if len(rows) <= TENANT_LIST_LIMIT:
-                lane_doc["tenants"] = {r["tenant"]: {k: v for k, v in r.items() if not k.startswith("_") and k != "tenant"}
-                                       for r in sorted(rows.values(), key=lambda r: r["tenant"])}
+            lanes[lane] = self._share_doc(f, lane, None, kinds)
+        # Per (lane, pool of provider accounts): the shares where the accounts' slots bind. A lane
+        # with one pool has the lane's own figures.
+        pools: dict = defaultdict(dict)
+        for lane, pool in self.pools:
+            if sum(1 for ln, _ in self.pools if ln == lane) == 1:
+                doc = {k: v for k, v in lanes[lane].items() if k not in ("interventions", "borrowed_units", "tenants",
+                                                                          "tenants_by_group")}
+                doc["same_as_lane"] = True
             else:
-                lane_doc["tenants_by_group"] = self._groups(rows)
-            lanes[lane] = lane_doc
+                doc = self._share_doc(self.fairness(lane, pool), lane, pool, kinds)
+            doc["accounts"] = {a: self.accounts.get(a) for a in self.pool_accounts[pool]}
+            pools[lane][pool] = doc
         out = {
             "end_seconds": round(self.end, 3),
             "tasks": {"total": len(self.tasks), "started": sum(1 for t in self.tasks if t["start"] is not None),
                       "succeeded": sum(1 for t in self.tasks if t["state"] == "SUCCEEDED"),
                       "queued_at_end": sum(1 for t in self.tasks if t["state"] == "QUEUED")},
             "lanes": lanes,
+            "pools": dict(pools),
             "utilisation": sweep["utilisation"],
             "interventions": self._intervention_totals(),
             "starvation_check": self.starvation(),
@@ -411,7 +498,7 @@ class Run:
                           "max_deficit": max((r["deficit"] for r in self.drr), default=None)},
             "sweep_invariants": sweep["invariants"],
         }
-        focus = getattr(self, f"_focus_{self.sc.name.replace('-', '_')}", None)
+        focus = getattr(self, f"_focus_{self.sc.focus.get('kind', self.sc.name).replace('-', '_')}", None)
         if focus:
             out["focus"] = focus(fair_by_lane, sweep)
         return out
@@ -446,11 +533,11 @@ class Run:
         return out
 
     # -- scenario-specific figures ---------------------------------------------------------------------------
-    def _queued_counter(self, lane: str):
-        """count(tenant, t): that tenant's tasks queued in `lane` at time t (enqueued <= t < started)."""
+    def _queued_counter(self, lane: str, pool: str | None = None):
+        """count(tenant, t): that tenant's tasks queued in `lane` (and pool) at time t (enqueued <= t < started)."""
         enq, sta = defaultdict(list), defaultdict(list)
         for t in self.tasks:
-            if t["lane"] == lane:
+            if self._in(t, lane, pool):
                 enq[t["tenant_id"]].append(t["enqueue"])
                 sta[t["tenant_id"]].append(t["start"] if t["start"] is not None else math.inf)
         for d in (enq, sta):
@@ -464,15 +551,20 @@ class Run:
 
     def _focus_whale_vs_small(self, fair_by_lane: dict, sweep: dict) -> dict:
         lane = self.sc.focus["lane"]
+        group = self.sc.focus["small_group"]
+        # The slots that count are those the small tenants' work can run on: the lane's, or, where
+        # it runs on one pool of provider accounts, that pool's (the binding capacity).
+        small_pools = {t["pool"] for t in self.tasks if t["lane"] == lane and t["group"] == group}
+        pool = next(iter(small_pools)) if len(small_pools) == 1 and len({p for ln, p in self.pools if ln == lane}) > 1 else None
         # The completion rate while the lane had work queued (so short runs need no whole window).
-        gaps = self._queue_gaps(lane)
+        gaps = self._queue_gaps(lane, pool)
         busy = self.end - sum(g1 - g0 for g0, g1 in gaps)
-        done = sum(1 for t in self.tasks if t["lane"] == lane and t["end"] is not None
+        done = sum(1 for t in self.tasks if self._in(t, lane, pool) and t["end"] is not None
                    and not any(g0 <= t["end"] < g1 for g0, g1 in gaps))
         rate = round(done / busy, 4) if busy > 0 else None
-        tenants, count = self._queued_counter(lane)
+        tenants, count = self._queued_counter(lane, pool)
         # Every slot release the run scheduled, including those of tasks still running at its end.
-        ends = sorted(t["start"] + t["planned"] for t in self.tasks if t["lane"] == lane and t["start"] is not None)
+        ends = sorted(t["start"] + t["planned"] for t in self.tasks if self._in(t, lane, pool) and t["start"] is not None)
 
         def slots_freed_within(t0: float, n: int) -> float | None:
             """Seconds after t0 until n slots have actually freed (the completions that happened)."""
@@ -480,9 +572,8 @@ class Run:
             return ends[i] - t0 if i < len(ends) else None
 
         out = {}
-        for tid in sorted((t for t in tenants if self.by_id[t].group == self.sc.focus["small_group"]),
-                          key=lambda t: self.by_id[t].name):
-            ts = [t for t in self.tasks if t["tenant_id"] == tid]
+        for tid in sorted((t for t in tenants if self.by_id[t].group == group), key=lambda t: self.by_id[t].name):
+            ts = [t for t in self.tasks if t["tenant_id"] == tid and self._in(t, lane, pool)]
             backlogged = []
             for t in ts:
                 others = sum(1 for o in tenants if o != tid and count(o, t["enqueue"]) > 0)
@@ -509,10 +600,12 @@ class Run:
         ratios = [v["p99_over_ideal"] for v in out.values() if v["p99_over_ideal"] is not None]
         realised = [v["p99_over_realised_slot_ideal"] for v in out.values() if v["p99_over_realised_slot_ideal"] is not None]
         unstarted = sum(len(v["unstarted_waited_so_far"]) for v in out.values())
-        return {"completion_rate_per_second": rate,
+        return {"completion_rate_per_second": rate, "lane": lane, "pool": pool or "the lane's",
                 "ideal_definition": "issue 4: backlogged tenants at the task's enqueue (the most over the tenant's tasks, "
-                                    "its own included) / the lane's measured completion rate while work was queued",
-                "realised_slot_ideal_definition": "per task: the time until as many slots actually freed after its enqueue "
+                                    "its own included) / the measured completion rate of the slots its work runs on "
+                                    "(the lane's, or its one pool of provider accounts') while work was queued",
+                "realised_slot_ideal_definition": "per task: the time until as many slots (of the lane, or of the pool its "
+                                                  "work runs on) actually freed after its enqueue "
                                                   "as there were backlogged tenants (per-slot round robin on the real "
                                                   "completion sequence); p99 over the tenant's tasks",
                 "small_tenants": out, "worst_p99_over_ideal": max(ratios) if ratios else None,
@@ -635,16 +728,25 @@ def _target(name: str, target: str, values: dict, met: bool | None) -> dict:
 def report(scenario: Scenario, prep: dict, runs: dict) -> dict:
     targets = []
     lane = scenario.focus.get("lane")
+    kind = scenario.focus.get("kind", scenario.name)
     drr, fifo = runs.get("drr"), runs.get("fifo")
 
     def fe(r):
         return r["lanes"][lane]["fairness_error"] if r and lane in r["lanes"] else None
 
-    if scenario.name in ("weighted-4-2-1", "mixed-cost"):
+    if kind in ("weighted-4-2-1", "mixed-cost", "provider-bound-4-2-1"):
         v = fe(drr)
         targets.append(_target("fairness_error", "<= 0.03 (DRR, saturated windows)", {"drr": v, "fifo": fe(fifo)},
                                v is not None and v <= 0.03 if drr else None))
-    if scenario.name == "whale-vs-small":
+    if scenario.focus.get("per_pool"):
+        def pool_fe(r):
+            return {pool: d["fairness_error"] for pool, d in r["pools"].get(lane, {}).items()} if r else None
+
+        v = pool_fe(drr)
+        targets.append(_target("fairness_error_per_pool", "<= 0.03 in every provider-account pool (DRR, saturated windows)",
+                               {"drr": v, "fifo": pool_fe(fifo)},
+                               all(x is not None and x <= 0.03 for x in v.values()) if drr else None))
+    if kind == "whale-vs-small":
         f = lambda r, k: r["focus"][k] if r else None  # noqa: E731
         targets.append(_target("small_tenant_p99_wait_over_drr_ideal",
                                "<= 1.5 for every small tenant (DRR), ideal = backlogged tenants / measured completion rate; "
@@ -683,7 +785,7 @@ def report(scenario: Scenario, prep: dict, runs: dict) -> dict:
                                    fo["others_keep_flowing"]))
     for pol, r in runs.items():
         u = r["utilisation"]["when_work_queued"]
-        targets.append(_target(f"utilisation_when_work_queued[{pol}]", ">= 0.95 of safe capacity", {"value": u},
+        targets.append(_target(f"utilisation_when_work_queued[{pol}]", ">= 0.95 of the binding capacity", {"value": u},
                                u is not None and u >= 0.95))
         targets.append(_target(f"no_wait_past_lane_max_without_intervention[{pol}]",
                                "every task waiting past its lane's max_wait has a STARVATION intervention (within one detector period)",
@@ -705,6 +807,9 @@ def report(scenario: Scenario, prep: dict, runs: dict) -> dict:
             "scheduler": scenario.config.scheduler.model_dump(),
             "lanes": {lane: scenario.config.lanes[lane].model_dump() for lane in scenario.lanes},
             "provider_slots": sum(a.max_concurrency for p in scenario.config.providers for a in p.accounts),
+            "provider_accounts": {account_key(p.name, a.account_id): {"max_concurrency": a.max_concurrency, "models": p.models}
+                                  for p in scenario.config.providers for a in p.accounts},
+            "fresh_scheduler_per_tick": scenario.fresh_scheduler_per_tick,
         },
         "prefill": prep["prefill"],
         "targets": targets,

@@ -72,9 +72,11 @@ def _close(platform) -> None:
 # -- preparing the shared starting point ---------------------------------------------------------------
 
 def prepare(db_url: str, redis_url: str | None, scenario: Scenario) -> dict:
-    """Tenants, pools and the t=0 backlog. Returns what the runs need to know about the tenants."""
+    """Tenants, pools and the t=0 backlog. Returns what the runs need to know about the tenants.
+    The pools (every lane's units, every provider account's max_concurrency) and the price book come
+    from the scenario's config through `apply_config`, as a deployment derives them."""
     from aivedio.admin.tenants import create_tenant
-    from aivedio.scheduling.resources import ensure_platform_pools
+    from aivedio.bootstrap import apply_config
 
     t0 = time.monotonic()
     p = _platform(db_url, redis_url, scenario, f"simprep{uuid.uuid4().hex[:8]}", pool_size=6)
@@ -84,9 +86,12 @@ def prepare(db_url: str, redis_url: str | None, scenario: Scenario) -> dict:
             c = create_tenant(p, name=spec.name, service_class=spec.service_class, weight=spec.weight, credits=10**12,
                               operator="simulate", policy_overrides=OPEN_LIMITS)
             tenants[spec.name] = SimTenant(c.tenant_id, c.user_id, spec.name, spec.group, spec.weight, spec.service_class)
+        backlog = [a for a in scenario.arrivals if a.at <= 0]
+        # The price version opens at the first admission's time (the backlog is admitted just before t=0).
+        p.clock.set(min([0.0] + [a.at for a in backlog]))
         with p.db.connection() as conn:
-            ensure_platform_pools(conn, scenario.config)
-        outcomes = _admit_backlog(p, tenants, [a for a in scenario.arrivals if a.at <= 0])
+            apply_config(conn, scenario.config, p.clock)
+        outcomes = _admit_backlog(p, tenants, backlog)
         admitted = sum(n for k, n in outcomes.items() if k.startswith("ACCEPTED"))
         rejected = {k: n for k, n in outcomes.items() if not k.startswith("ACCEPTED")}
         admit_seconds = time.monotonic() - t0

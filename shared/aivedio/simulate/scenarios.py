@@ -6,7 +6,14 @@ and FIFO see the same workload.
 
 Units (admission/estimates.py, checked by the scenario test): a 720p 5 s text_to_video is 1 fairness
 unit; 1080p 20 s is 8; 1080p 30 s with audio is 15. All three stay in the tenant's lane (not 4k,
-at most 30 s, not video_to_video)."""
+at most 30 s, not video_to_video), whatever the model.
+
+Capacity is what the config says, as in a deployment: every lane's capacity_units and every provider
+account's max_concurrency become resource_pool_shard rows (aivedio.bootstrap.apply_config, run by the
+runner before the backlog is admitted), the claim reserves the account's and the lane's keys
+(scheduling/claim.py demands_for), and a simulated completion releases them (release_attempt). The
+provider-bound scenarios give the lane far more units than the accounts have slots, as most
+deployments do, so the accounts bind."""
 from __future__ import annotations
 
 import math
@@ -83,7 +90,12 @@ class Scenario:
     bulk: BulkSpec | None = None
     parameters: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    focus: dict = field(default_factory=dict)  # scenario-specific analysis settings
+    focus: dict = field(default_factory=dict)  # scenario-specific analysis settings ("kind": whose analysis)
+    # The tick handler (functions/scheduler_tick/handler.py) builds a new Scheduler per call, and
+    # `aivedio serve` calls it once per tick, so nothing a Scheduler object keeps in memory outlives a
+    # tick there. True does the same; False keeps one Scheduler for the whole run (what the simulation
+    # did before; an AWS continuous run keeps one for up to two minutes, two runs overlapping).
+    fresh_scheduler_per_tick: bool = True
 
     def units_of(self, body: dict) -> int:
         for b, u in UNITS.values():
@@ -92,9 +104,21 @@ class Scenario:
         raise ValueError(f"unknown body {body}")
 
 
-def platform_config(lanes: dict[str, LaneConfig], slots: int, pool_shards: int = 1, **scheduler) -> PlatformConfig:
-    """One provider account whose max_concurrency is the safe capacity; limits that are not the
-    subject of a scenario (model cap, cost, worker pools, outbox backlog) are opened wide.
+def provider(name: str, models: list[str], accounts: dict[str, int]) -> ProviderConfig:
+    """A simulated provider offering `models` through accounts {account_id: max_concurrency}."""
+    return ProviderConfig(name=name, models=models, max_duration_seconds=60,
+                          accounts=[ProviderAccount(account_id=a, max_concurrency=n) for a, n in accounts.items()])
+
+
+def with_model(body: dict, model: str) -> dict:
+    return {**body, "model": model}
+
+
+def platform_config(lanes: dict[str, LaneConfig], slots: int, pool_shards: int = 1,
+                    providers: list[ProviderConfig] | None = None, **scheduler) -> PlatformConfig:
+    """One provider account whose max_concurrency is `slots` (or the given providers and their
+    accounts); limits that are not the subject of a scenario (model cap, cost, worker pools, outbox
+    backlog) are opened wide.
 
     Lanes a scenario does not name keep their defaults, except that the enterprise lane lends
     nothing unless the scenario says so: the default lends 200 units, which a 40-slot provider
@@ -105,8 +129,7 @@ def platform_config(lanes: dict[str, LaneConfig], slots: int, pool_shards: int =
     sharding would measure fragmentation, not fairness (--param pool_shards=4 shows it)."""
     lanes = {"ENTERPRISE_RESERVED": LaneConfig(capacity_units=500, borrowable_units=0), **lanes}
     return PlatformConfig(
-        providers=[ProviderConfig(name=PROVIDER, models=[MODEL], max_duration_seconds=60,
-                                  accounts=[ProviderAccount(account_id=ACCOUNT, max_concurrency=slots)])],
+        providers=providers or [provider(PROVIDER, [MODEL], {ACCOUNT: slots})],
         lanes=lanes,
         limits=Limits(outbox_backlog_reject_threshold=10**9, platform_cost_per_minute=10**9, model_global_running_cap=10**6,
                       pool_shards=pool_shards),
@@ -133,61 +156,154 @@ def _poisson(rng: random.Random, tenant: str, n: int, body: dict, start: float, 
 
 # -- the scenarios -----------------------------------------------------------------------------------
 
-def whale_vs_small(whale_tasks: int = 5000, small_tenants: int = 10, small_tasks: int = 20, mean_gap: float = 60.0,
-                   capacity: int = 40, window: float = 300.0, warmup: float = 60.0, seed: int = 4) -> Scenario:
-    """One tenant floods its backlog at t=0; ten tenants each submit tasks one at a time (a person
-    waiting for a preview) at random times while the flood is queued."""
+def _whale(name: str, *, whale_tasks: int, small_tenants: int, small_tasks: int, mean_gap: float, lane_capacity: int,
+           slots: int, window: float, warmup: float, runtime_per_unit: float, horizon: float, seed: int) -> Scenario:
+    """One tenant floods its backlog at t=0; small tenants each submit tasks one at a time (a person
+    waiting for a preview) at random times while the flood is queued. The run stops when every small
+    tenant's task has finished."""
     rng = random.Random(seed)
     tenants = [TenantSpec("whale", 1, group="whale")] + [TenantSpec(f"small-{i:02d}", 1, group="small") for i in range(small_tenants)]
     arrivals = _flood("whale", whale_tasks, BODY_1U)
     # The small tenants start once the whale's first wave (claimed together at t=0) has turned over,
-    # so completions come at the lane's steady rate that the DRR ideal is defined by.
+    # so completions come at the steady rate that the DRR ideal is defined by.
     for t in tenants[1:]:
         arrivals += _poisson(rng, t.name, small_tasks, BODY_1U, start=warmup, mean_gap=mean_gap)
+    binding = "provider slots" if slots < lane_capacity else "lane units"
     return Scenario(
-        name="whale-vs-small",
+        name=name,
         description=f"one tenant floods {whale_tasks} tasks at t=0 while {small_tenants} tenants submit {small_tasks} each "
-                    f"one at a time from t={warmup:.0f} s (Poisson, mean gap {mean_gap:.0f} s); PAID_SHARED {capacity} units, "
-                    f"{capacity} provider slots",
-        config=platform_config({"PAID_SHARED": _lane(capacity)}, capacity),
+                    f"one at a time from t={warmup:.0f} s (Poisson, mean gap {mean_gap:.0f} s); PAID_SHARED {lane_capacity} units, "
+                    f"{slots} provider slots ({binding} bind), 1-unit tasks of {runtime_per_unit:g} s",
+        config=platform_config({"PAID_SHARED": _lane(lane_capacity)}, slots),
         tenants=tenants, arrivals=sorted(arrivals, key=lambda a: a.at), lanes=["PAID_SHARED"],
-        horizon_seconds=6 * 3600, window_seconds=window, stop_when_done=("small",),
+        horizon_seconds=horizon, window_seconds=window, stop_when_done=("small",), runtime_per_unit=runtime_per_unit,
         parameters=dict(whale_tasks=whale_tasks, small_tenants=small_tenants, small_tasks=small_tasks, mean_gap=mean_gap,
-                        warmup_seconds=warmup, capacity_units=capacity, provider_slots=capacity, seed=seed),
-        focus={"small_group": "small", "lane": "PAID_SHARED"},
+                        warmup_seconds=warmup, capacity_units=lane_capacity, provider_slots=slots,
+                        runtime_per_unit=runtime_per_unit, seed=seed),
+        focus={"kind": "whale-vs-small", "small_group": "small", "lane": "PAID_SHARED"},
         notes=["The run stops when every small tenant's task has finished, under either policy (so FIFO runs until the "
-               "whale's backlog ahead of them has drained: 5,200 claims, the longest part of this scenario's wall time, "
-               "after admitting the 5,000-task flood through admit()).",
+               "whale's backlog ahead of them has drained, the longest part of this scenario's wall time, after admitting "
+               "the flood through admit()).",
                "The issue's DRR ideal counts one slot per backlogged tenant per round, i.e. DRR whose quantum is one "
                "task: the default base_quantum of 1 unit while the lane is saturated (a lane with room to spare grants "
                "several rounds' quanta per turn: Scheduler._rounds).",
                "The rate-based ideal ignores that completions arrive at random: with 2-4 tenants backlogged, waiting for "
                "that many slots to free has a long tail whatever the scheduler does. The realised-slot ideal measures "
-               "the same thing on the run's actual completions; oracle_p99_over_ideal is what a perfect per-slot round "
-               "robin scores on the rate-based ideal."],
+               "the same thing on the run's actual completions (of the provider account the small tenants' work runs "
+               "on); oracle_p99_over_ideal is what a perfect per-slot round robin scores on the rate-based ideal."],
+    )
+
+
+def whale_vs_small(whale_tasks: int = 5000, small_tenants: int = 10, small_tasks: int = 20, mean_gap: float = 60.0,
+                   capacity: int = 40, window: float = 300.0, warmup: float = 60.0, seed: int = 4) -> Scenario:
+    """The whale and ten small tenants on a lane whose units bind (as many provider slots as units)."""
+    return _whale("whale-vs-small", whale_tasks=whale_tasks, small_tenants=small_tenants, small_tasks=small_tasks,
+                  mean_gap=mean_gap, lane_capacity=capacity, slots=capacity, window=window, warmup=warmup,
+                  runtime_per_unit=30.0, horizon=6 * 3600, seed=seed)
+
+
+def whale_provider_bound(whale_tasks: int = 600, small_tenants: int = 10, small_tasks: int = 10, mean_gap: float = 30.0,
+                         lane_capacity: int = 200, slots: int = 8, runtime_per_unit: float = 10.0, window: float = 150.0,
+                         warmup: float = 20.0, seed: int = 4) -> Scenario:
+    """The whale and ten small tenants where one small provider account binds (8 slots under a lane
+    of 200 units): the small tenants' p99 wait against the time in which as many of that account's
+    slots free up as there are backlogged tenants."""
+    return _whale("whale-provider-bound", whale_tasks=whale_tasks, small_tenants=small_tenants, small_tasks=small_tasks,
+                  mean_gap=mean_gap, lane_capacity=lane_capacity, slots=slots, window=window, warmup=warmup,
+                  runtime_per_unit=runtime_per_unit, horizon=6 * 3600, seed=seed)
+
+def _backlog(rate: float, horizon: float, share: float) -> int:
+    """Tasks enough for a tenant taking `share` of a pool that completes `rate` tasks a second to
+    stay backlogged for the whole horizon (15 % spare, plus a few)."""
+    return int(math.ceil(1.15 * rate * horizon * share)) + 20
+
+
+def _weighted(name: str, *, weights: dict[str, int], lane_capacity: int, slots: int, runtime_per_unit: float, horizon: float,
+              window: float, seed: int) -> Scenario:
+    """Tenants of the given weights, each with a backlog deep enough to stay backlogged."""
+    rate = min(lane_capacity, slots) / runtime_per_unit  # 1-unit tasks, one slot each: the binding rate
+    tenants = [TenantSpec(n, w, group=n) for n, w in weights.items()]
+    # Equal backlogs, all queued at t=0: enough for the heaviest tenant's share, so every tenant
+    # stays backlogged under DRR (and FIFO, which serves them in enqueue order, shares 1:1:1).
+    per = _backlog(rate, horizon, max(weights.values()) / sum(weights.values()))
+    arrivals = []
+    for n in weights:
+        arrivals += _flood(n, per, BODY_1U)
+    binding = "provider slots" if slots < lane_capacity else "lane units"
+    return Scenario(
+        name=name,
+        description=f"tenants of weight {', '.join(str(w) for w in weights.values())}, each backlogged for the whole run; "
+                    f"PAID_SHARED {lane_capacity} units, {slots} provider slots ({binding} bind), 1-unit tasks of "
+                    f"{runtime_per_unit:g} s, {horizon:.0f} s",
+        config=platform_config({"PAID_SHARED": _lane(lane_capacity)}, slots),
+        tenants=tenants, arrivals=arrivals, lanes=["PAID_SHARED"], horizon_seconds=horizon, window_seconds=window,
+        runtime_per_unit=runtime_per_unit,
+        parameters=dict(horizon_seconds=horizon, capacity_units=lane_capacity, provider_slots=slots, weights=weights, seed=seed,
+                        runtime_per_unit=runtime_per_unit, backlog_each=per),
+        focus={"lane": "PAID_SHARED"},
     )
 
 
 def weighted_4_2_1(horizon: float = 900.0, capacity: int = 40, window: float = 300.0, seed: int = 421) -> Scenario:
-    """Three tenants of weight 4, 2 and 1, each with a backlog deep enough to stay backlogged."""
-    rate = capacity / 30.0  # 1-unit tasks run 30 s
-    weights = {"w4": 4, "w2": 2, "w1": 1}
-    tenants = [TenantSpec(n, w, group=n) for n, w in weights.items()]
-    # Equal backlogs, all queued at t=0: enough for the weight-4 tenant's share, so every tenant
-    # stays backlogged under DRR (and FIFO, which serves them in enqueue order, shares 1:1:1).
-    per = int(math.ceil(1.15 * rate * horizon * 4 / 7)) + 20
+    """Three tenants of weight 4, 2 and 1; the lane's units bind (as many provider slots as units)."""
+    return _weighted("weighted-4-2-1", weights={"w4": 4, "w2": 2, "w1": 1}, lane_capacity=capacity, slots=capacity,
+                     runtime_per_unit=30.0, horizon=horizon, window=window, seed=seed)
+
+
+def provider_bound_4_2_1(horizon: float = 480.0, lane_capacity: int = 200, slots: int = 6, runtime_per_unit: float = 10.0,
+                         window: float = 120.0, seed: int = 421) -> Scenario:
+    """Three PAID_SHARED tenants of weight 4, 2 and 1, all backlogged, where one provider account's
+    max_concurrency (6) binds under a lane of 200 units: the deployment the issue "Fair shares where
+    capacity really binds" measured at 0.33/0.34/0.33 through `aivedio serve`."""
+    return _weighted("provider-bound-4-2-1", weights={"w4": 4, "w2": 2, "w1": 1}, lane_capacity=lane_capacity, slots=slots,
+                     runtime_per_unit=runtime_per_unit, horizon=horizon, window=window, seed=seed)
+
+
+MODEL_A, MODEL_B = "m-a", "m-b"
+
+
+def two_accounts(horizon: float = 480.0, lane_capacity: int = 200, slots_a: int = 6, slots_b: int = 3,
+                 runtime_per_unit: float = 10.0, window: float = 120.0, both_weight: int = 0, seed: int = 22) -> Scenario:
+    """Two provider accounts of different sizes under one lane: account A (6 slots) serves model m-a,
+    account B (3 slots) serves m-b. Tenants a-w4 and a-w2 order m-a, b-w2 and b-w1 order m-b, all
+    backlogged; with both_weight > 0 a fifth tenant of that weight orders both, alternately. Within
+    each account the shares should follow the weights of the tenants backlogged on it, and a tenant
+    whose work fits only one account is not charged for the other's scarcity."""
+    pools = {MODEL_A: ("sim-a", "acct-a", slots_a, {"a-w4": 4, "a-w2": 2}),
+             MODEL_B: ("sim-b", "acct-b", slots_b, {"b-w2": 2, "b-w1": 1})}
+    if both_weight:
+        for _, _, _, w in pools.values():
+            w["ab-both"] = both_weight
+    tenants = {}
+    per_pool: dict[str, dict[str, int]] = {}
+    queues: dict[str, list[list[Arrival]]] = {}
+    for model, (_, _, slots, weights) in pools.items():
+        rate = min(lane_capacity, slots) / runtime_per_unit
+        per = _backlog(rate, horizon, max(weights.values()) / sum(weights.values()))
+        per_pool[model] = {n: per for n in weights}
+        for n, w in weights.items():
+            tenants.setdefault(n, TenantSpec(n, w, group=n))
+            queues.setdefault(n, []).append([Arrival(0.0, n, with_model(BODY_1U, model), f"{n}-{model}-{i:06d}") for i in range(per)])
     arrivals = []
-    for n in weights:
-        arrivals += _flood(n, per, BODY_1U)
+    for qs in queues.values():  # a tenant ordering both models submits them alternately
+        arrivals += [q[i] for i in range(max(len(q) for q in qs)) for q in qs if i < len(q)]
     return Scenario(
-        name="weighted-4-2-1",
-        description=f"tenants of weight 4, 2, 1, each backlogged for the whole run; PAID_SHARED {capacity} units, "
-                    f"{capacity} provider slots, {horizon:.0f} s",
-        config=platform_config({"PAID_SHARED": _lane(capacity)}, capacity),
-        tenants=tenants, arrivals=arrivals, lanes=["PAID_SHARED"], horizon_seconds=horizon, window_seconds=window,
-        parameters=dict(horizon_seconds=horizon, capacity_units=capacity, provider_slots=capacity, weights=weights, seed=seed,
-                        backlog_each=per),
-        focus={"lane": "PAID_SHARED"},
+        name="two-accounts",
+        description=f"one PAID_SHARED lane of {lane_capacity} units over two provider accounts: acct-a ({slots_a} slots) "
+                    f"serves {MODEL_A} for tenants a-w4, a-w2; acct-b ({slots_b} slots) serves {MODEL_B} for b-w2, b-w1"
+                    + (f"; ab-both (weight {both_weight}) orders both" if both_weight else "")
+                    + f"; all backlogged, 1-unit tasks of {runtime_per_unit:g} s, {horizon:.0f} s",
+        config=platform_config({"PAID_SHARED": _lane(lane_capacity)}, 0,
+                               providers=[provider(prov, [model], {acct: slots}) for model, (prov, acct, slots, _) in pools.items()]),
+        tenants=list(tenants.values()), arrivals=arrivals, lanes=["PAID_SHARED"], horizon_seconds=horizon, window_seconds=window,
+        runtime_per_unit=runtime_per_unit,
+        parameters=dict(horizon_seconds=horizon, capacity_units=lane_capacity, slots_a=slots_a, slots_b=slots_b,
+                        provider_slots=slots_a + slots_b, both_weight=both_weight, runtime_per_unit=runtime_per_unit,
+                        backlog=per_pool, seed=seed),
+        focus={"lane": "PAID_SHARED", "per_pool": True},
+        notes=["Fairness is measured per provider account (`pools`): the water-filling fair share of each account's "
+               "delivered units over the tenants with work for it, by weight. The lane-wide figure compares tenants "
+               "whose work runs on different accounts, and is reported only for contrast."],
     )
 
 
@@ -309,11 +425,22 @@ def many_tenants(tenants: int = 10_000, capacity: int = 400, heavy_tasks: int = 
 SCENARIOS: dict[str, Callable[..., Scenario]] = {
     "whale-vs-small": whale_vs_small,
     "weighted-4-2-1": weighted_4_2_1,
+    "provider-bound-4-2-1": provider_bound_4_2_1,
+    "two-accounts": two_accounts,
+    "whale-provider-bound": whale_provider_bound,
     "mixed-cost": mixed_cost,
     "enterprise-borrowing": enterprise_borrowing,
     "big-task-starvation": big_task_starvation,
     "many-tenants": many_tenants,
 }
+
+
+def _flag(v) -> bool:
+    if isinstance(v, str):
+        if v.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"fresh_scheduler_per_tick: expected true or false, got {v!r}")
+        return v.lower() in ("true", "1", "yes")
+    return bool(v)
 
 
 def _spread_backlog(arrivals: list[Arrival]) -> list[Arrival]:
@@ -335,13 +462,18 @@ def _spread_backlog(arrivals: list[Arrival]) -> list[Arrival]:
 
 
 def build(name: str, **params) -> Scenario:
-    """The scenario `name` with its own parameters, plus two that every scenario takes:
-    pool_shards (counter shards per pool) and scheduler (a dict of SchedulerConfig overrides)."""
+    """The scenario `name` with its own parameters, plus three that every scenario takes:
+    pool_shards (counter shards per pool), scheduler (a dict of SchedulerConfig overrides) and
+    fresh_scheduler_per_tick (default true: a new Scheduler per tick, as the tick handler builds one per call)."""
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; scenarios are {', '.join(SCENARIOS)}")
     shards = params.pop("pool_shards", None)
     sched = params.pop("scheduler", None) or {}
+    fresh = params.pop("fresh_scheduler_per_tick", None)
     sc = SCENARIOS[name](**params)
+    if fresh is not None:
+        sc.fresh_scheduler_per_tick = _flag(fresh)
+    sc.parameters["fresh_scheduler_per_tick"] = sc.fresh_scheduler_per_tick
     sc.arrivals = _spread_backlog(sc.arrivals)
     cfg = sc.config
     if shards is not None:
