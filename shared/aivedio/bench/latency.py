@@ -34,7 +34,7 @@ from datetime import datetime
 
 from aivedio.bench.admission import OPEN_LIMITS, scratch_database
 from aivedio.bench.scheduler import CAP, DATABASE_PREFIX, REDIS_PREFIX, _pct
-from aivedio.bench.workers import join_or_kill, raise_first_error
+from aivedio.bench.workers import get_or_fail, join_or_kill, raise_first_error
 from aivedio.config import (LaneConfig, Limits, PlatformConfig, Pools, ProviderAccount, ProviderConfig, Settings,
                             SimulatorBehaviour)
 from aivedio.observability import logger
@@ -101,18 +101,8 @@ def _client(base_url: str, keys: list[str], model: str, seconds: float, rate: fl
         conn.close()
 
 
-def _get(q: mp.Queue, procs: list, timeout: float) -> dict:
-    """q.get, but fail at once when a client died instead of waiting out the timeout."""
-    import queue
-
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            return q.get(timeout=0.5)
-        except queue.Empty:
-            dead = [pr.exitcode for pr in procs if pr.exitcode not in (None, 0)]
-            if dead or time.monotonic() > end:
-                raise RuntimeError(f"latency load clients failed or timed out (exit codes {dead})") from None
+def _get(q: mp.Queue, procs: list, timeout: float):
+    return get_or_fail(q, procs, timeout, "latency load clients")
 
 
 def _post_all(base_url: str, keys: list[str], model: str, *, clients: int, seconds: float,

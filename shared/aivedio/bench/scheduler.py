@@ -28,7 +28,7 @@ import uuid
 from contextlib import contextmanager
 
 from aivedio.bench.admission import scratch_database
-from aivedio.bench.workers import join_or_kill, raise_first_error
+from aivedio.bench.workers import get_or_fail, join_or_kill, raise_first_error
 from aivedio.config import LaneConfig, Limits, Pools, PlatformConfig, ProviderAccount, ProviderConfig, Settings
 from aivedio.observability import logger
 
@@ -207,17 +207,7 @@ def _tick_worker(settings_json: str, config_json: str, warm: float, seconds: flo
 
 
 def _get(q: mp.Queue, procs: list, timeout: float):
-    """q.get, but fail at once if a worker died instead of waiting out the timeout."""
-    import queue
-
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            return q.get(timeout=0.5)
-        except queue.Empty:
-            dead = [pr.exitcode for pr in procs if pr.exitcode not in (None, 0)]
-            if dead or time.monotonic() > end:
-                raise RuntimeError(f"scheduler workers failed or timed out (exit codes {dead})") from None
+    return get_or_fail(q, procs, timeout, "scheduler workers")
 
 
 def _backends(conn) -> list[int]:

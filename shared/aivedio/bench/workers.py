@@ -15,3 +15,18 @@ def raise_first_error(results: list[dict], what: str) -> None:
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise RuntimeError(f"{what} failed: {errors[0]}")
+
+
+def get_or_fail(q, procs, timeout: float, what: str):
+    """q.get, but fail at once when a worker died instead of waiting out the timeout."""
+    import queue
+    import time
+
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return q.get(timeout=0.5)
+        except queue.Empty:
+            dead = [pr.exitcode for pr in procs if pr.exitcode not in (None, 0)]
+            if dead or time.monotonic() > end:
+                raise RuntimeError(f"{what} failed or timed out (exit codes {dead})") from None
