@@ -28,43 +28,14 @@ from aivedio.attempts.lifecycle import AttemptRef
 from aivedio.attempts.recovery import restart_expired
 from aivedio.auth import Caller
 from aivedio.billing.settlement import settle
-from aivedio.bootstrap import apply_config
-from aivedio.config import PlatformConfig, ProviderAccount, ProviderConfig, SimulatorBehaviour, Timers
-from aivedio.providers.simulator import SimulatorServer
 from aivedio.scheduling.scheduler import Scheduler
 from tests.admission_support import PRICE, new_tenant, serve
+from tests.integration.test_attempt_steps import world
 from tests.scheduler_support import UNCAPPED, submit
 from tests.waiting import wait_for
 
-_ = serve  # a fixture, imported for the tests that request it
+_ = serve, world  # fixtures, imported for the tests that request them
 pytestmark = pytest.mark.xdist_group("attempts")
-
-SECRET = "whsec_c2ltdWxhdG9yLXNlY3JldA=="
-
-
-@pytest.fixture
-def world(make_platform):
-    """world(**behaviour) -> (platform, simulator): one provider entry, shared by the simulator and
-    the platform (so both hold the same account keys and webhook secret)."""
-    sims: list[SimulatorServer] = []
-
-    def make(**behaviour):
-        sim_behaviour = SimulatorBehaviour(**{"queue_seconds_min": 0, "queue_seconds_max": 0, "latency_seconds_min": 30,
-                                              "latency_seconds_max": 30, "failure_rate": 0.0, **behaviour})
-        pc = ProviderConfig(name="provider-a", submit_timeout_seconds=0.5, webhook_secret=SECRET, simulator=sim_behaviour,
-                            accounts=[ProviderAccount(account_id="account-01", api_key="sim-key-account-01", max_concurrency=20)])
-        sim = SimulatorServer(pc, pc.simulator, 1.0, port=0).start()
-        sims.append(sim)
-        cfg = PlatformConfig(providers=[pc.model_copy(update={"base_url": sim.base_url})],
-                             timers=Timers(lease_seconds=60, unknown_safe_window_seconds=600))
-        p = make_platform(cfg)
-        with p.db.connection() as conn:
-            apply_config(conn, p.config, p.clock)
-        return p, sim
-
-    yield make
-    for s in sims:
-        s.stop()
 
 
 def claim_one(p) -> tuple[AttemptRef, Caller]:
