@@ -38,7 +38,6 @@ class VisitResult:
     claims: list[Claimed] = field(default_factory=list)
     more: bool = False  # the batch filled while deficit remains: the tenant's turn continues
     pending: bool = False  # stopped by shared capacity (FULL, or a BLOCKED head that holds the lane) with deficit left
-    wait_key: str | None = None  # the key the paused turn waits for (drr_lane_tenant.paused_on)
 
 
 @dataclass
@@ -269,7 +268,7 @@ class Scheduler:
                     """update drr_lane_tenant set paused_on = %s, paused_kind = 'WAITING', updated_at = %s,
                               paused_at = case when paused_on = %s and paused_kind = 'WAITING' then paused_at else %s end
                         where lane = %s and tenant_id = %s""", (wait_key, now, wait_key, now, lane, tenant_id))
-                return VisitResult("HELD", wait_key=wait_key)
+                return VisitResult("HELD")
             if pending or more:  # the turn goes on when its key has room (or at once, for `more`)
                 paused_on, kind = (wait_key if pending else f"lane:{lane}"), "TURN"
                 paused_at = st["paused_at"] if st["paused_on"] == paused_on and st["paused_kind"] == "TURN" else now
@@ -285,7 +284,7 @@ class Scheduler:
                     where lane = %s and tenant_id = %s""",
                 (max(0, deficit), debt_paid, served, now, now, paused_on, kind, paused_at, ended_at, lane, tenant_id),
             )
-            return VisitResult("CLAIMED" if claims else outcome, claims, more, pending or more, wait_key=paused_on)
+            return VisitResult("CLAIMED" if claims else outcome, claims, more, pending or more)
 
         result = p.db.transaction(tx)
         if result.outcome == "EMPTY":
