@@ -87,6 +87,12 @@ PROFILES: dict[str, FunctionProfile] = {
     "wallet_check": FunctionProfile(
         "Wallet checks: snapshot vs ledger vs reservations vs lots; freezes and alerts on a mismatch",
         timeout_seconds=600, database=True),
+    "maintenance": FunctionProfile(
+        "The maintenance room's newer services, one EventBridge schedule each: expired reservations, stuck "
+        "submits, unsettled terminals, outbox dead letters, parked webhooks, Redis index and counters, invoices",
+        # It asks providers (lookups by key, invoices), so it has their credentials; a repair that
+        # needs a workflow makes the attempt's lease expire, and the lease scanner starts it.
+        timeout_seconds=300, database=True, redis=True, internet=True, provider_credentials=True),
     "idempotency_purge": FunctionProfile(
         "Deletes idempotency records past their TTL, in batches", timeout_seconds=300, database=True),
     "db_migrate": FunctionProfile(

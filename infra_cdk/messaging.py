@@ -85,7 +85,10 @@ class Messaging(Construct):
             rule = events.Rule(self, f"schedule-{s.name}", rule_name=f"{stage.prefix}-{s.name}",
                                description=f"invokes {fn.function.function_name} ({s.name})",
                                schedule=events.Schedule.rate(Duration.minutes(s.aws_every_minutes)))
-            rule.add_target(targets.LambdaFunction(fn.function, retry_attempts=0, max_event_age=Duration.minutes(1)))
+            rule.add_target(targets.LambdaFunction(
+                fn.function, retry_attempts=0, max_event_age=Duration.minutes(1),
+                # A maintenance service's schedule names the service (functions/maintenance reads it).
+                event=events.RuleTargetInput.from_object(s.payload) if s.payload is not None else None))
             self.rules[s.name] = rule
 
 

@@ -317,6 +317,17 @@ class BillingConfig(_Strict):
     media_cost_currencies: list[str] = Field(default_factory=lambda: ["USD", "EUR", "GBP", "JPY", "CNY"], min_length=1)
 
 
+class MaintenanceService(_Strict):
+    """[maintenance.<service>]: overrides of one maintenance service's defaults (aivedio.reconcile.room
+    lists the services and their defaults). Durations are platform seconds, scaled by time_scale."""
+
+    interval_seconds: float | None = Field(default=None, gt=0)
+    batch_size: int | None = Field(default=None, gt=0)
+    max_batches: int | None = Field(default=None, gt=0)
+    age_seconds: float | None = Field(default=None, ge=0)
+    retry_seconds: float | None = Field(default=None, ge=0)
+
+
 class PlatformConfig(_Strict):
     time_scale: float = Field(default=1.0, gt=0)
     providers: list[ProviderConfig] = Field(default_factory=lambda: [ProviderConfig(name="provider-a")], min_length=1)
@@ -327,6 +338,18 @@ class PlatformConfig(_Strict):
     pools: Pools = Field(default_factory=Pools)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     billing: BillingConfig = Field(default_factory=BillingConfig)
+    maintenance: dict[str, MaintenanceService] = Field(default_factory=dict)
+
+    @field_validator("maintenance")
+    @classmethod
+    def _maintenance(cls, v: dict[str, MaintenanceService]) -> dict[str, MaintenanceService]:
+        from aivedio.reconcile.room import SERVICES  # the room imports nothing of the config at import time
+
+        names = {s.name for s in SERVICES}
+        unknown = sorted(set(v) - names)
+        if unknown:
+            raise ValueError(f"no maintenance service {unknown[0]!r}; services are {', '.join(sorted(names))}")
+        return v
 
     @field_validator("lanes")
     @classmethod

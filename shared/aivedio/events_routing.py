@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aivedio.config import PlatformConfig
-from aivedio.reconcile import idempotency_purge
+from aivedio.reconcile import room
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class Schedule:
     local_interval: Callable[[PlatformConfig], float]  # platform seconds between local runs (and idle polls)
     aws_every_minutes: int  # EventBridge's finest rate is one minute; the handler loops within a run
     continuous: bool = False  # in AWS a run polls until near its timeout, and two overlap (see above)
+    payload: dict[str, str] | None = None  # the schedule's input (else EventBridge's scheduled event)
 
     @property
     def module(self) -> str:
@@ -66,15 +67,17 @@ SUBSCRIPTIONS: tuple[Subscription, ...] = (
 
 RELAY, TICK = "outbox-relay", "scheduler-tick"
 
+
+
+def _maintenance(s: room.Service) -> Schedule:
+    return Schedule(s.name, s.function, s.interval_seconds, s.defaults.aws_every_minutes, payload=s.payload)
+
+
+# The two continuous loops, then every service of the maintenance room (aivedio.reconcile.room).
 SCHEDULES: tuple[Schedule, ...] = (
     Schedule(RELAY, "outbox_relay", lambda c: c.timers.outbox_relay_seconds, 1, continuous=True),
     Schedule(TICK, "scheduler_tick", lambda c: c.timers.scheduler_tick_seconds, 1, continuous=True),
-    Schedule("scheduler-maintenance", "scheduler_maintenance", lambda c: c.timers.aging_step_seconds / 4, 1),
-    Schedule("attempt-recovery", "attempt_recovery", lambda c: c.timers.attempt_recovery_seconds, 1),
-    Schedule("credit-expiry", "credit_expiry", lambda c: c.billing.credit_expiry_seconds, 5),
-    Schedule("wallet-check", "wallet_check", lambda c: c.billing.wallet_check_seconds, 30),
-    Schedule("idempotency-purge", "idempotency_purge", lambda c: idempotency_purge.INTERVAL_SECONDS,
-             idempotency_purge.AWS_EVERY_MINUTES),
+    *(_maintenance(s) for s in room.SERVICES),
 )
 
 

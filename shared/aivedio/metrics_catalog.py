@@ -40,7 +40,9 @@ OUTBOX_BACKLOG = MetricSpec("OutboxBacklog", "Count", (), "Maximum",
                             "outbox events not yet published (gauge, by the outbox relay)")
 RECONCILIATION_BREAKS = MetricSpec("ReconciliationBreaks", "Count", (), "Sum",
                                    "reconciliation mismatches found (counter, by the reconcilers)")
+MAINTENANCE_REPAIRS = MetricSpec("MaintenanceRepairs", "Count", ("service",), "Sum",
+                                 "things a maintenance service repaired in one run (counter, by aivedio.reconcile.room)")
 
 ALL: tuple[MetricSpec, ...] = (QUEUE_DEPTH_UNITS, OLDEST_WAIT_SECONDS, PROVIDER_UTILISATION, ADMISSION_REJECTIONS,
                                SUBMIT_UNKNOWN, UNRECONCILED_COST, STARVATION_INTERVENTIONS, OUTBOX_BACKLOG,
-                               RECONCILIATION_BREAKS)
+                               RECONCILIATION_BREAKS, MAINTENANCE_REPAIRS)

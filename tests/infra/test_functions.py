@@ -171,7 +171,7 @@ def test_only_the_functions_that_talk_to_providers_get_the_provider_secret(synth
             assert secret_id in json.dumps(env["AIVEDIO_PROVIDER_SECRET_ARN"]), name
         else:
             assert "AIVEDIO_PROVIDER_SECRET_ARN" not in env, name
-    assert {n for n, p in PROFILES.items() if p.provider_credentials} == {"api", "attempt_step"}
+    assert {n for n, p in PROFILES.items() if p.provider_credentials} == {"api", "attempt_step", "maintenance"}
 
 
 def test_jobs_are_submitted_with_the_apis_own_callback_url(synth, stage):

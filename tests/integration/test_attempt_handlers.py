@@ -69,7 +69,8 @@ def test_dispatch_fails_the_batch_when_no_workflow_can_start(installed):
 def test_attempt_recovery_with_nothing_expired(installed):
     from functions.attempt_recovery.handler import lambda_handler
 
-    assert lambda_handler(sample("attempt_recovery"), FakeLambdaContext("aivedio-attempt_recovery")) == {"restarted": 0}
+    out = lambda_handler(sample("attempt_recovery"), FakeLambdaContext("aivedio-attempt_recovery"))
+    assert (out["service"], out["repaired"], out["complete"]) == ("attempt-recovery", 0, True)
 
 
 def test_dispatch_in_aws_starts_one_step_functions_execution_without_a_database(monkeypatch):

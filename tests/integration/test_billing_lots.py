@@ -163,9 +163,9 @@ def test_the_scheduled_handler(p, conn, clock):
     clock._now = EXPIRES
     with open("events/credit_expiry.json") as f:
         out = lambda_handler(json.load(f), FakeLambdaContext("aivedio-credit-expiry"))
-    assert out["expiry"]["credits_expired"] >= 25
+    assert out["details"]["expiry"]["credits_expired"] >= 25
     assert [r["amount_delta"] for r in expire_txns(conn, w.wallet_id)] == [25]
-    assert set(out) == {"subscriptions", "expiry", "parked_settlements"}
+    assert set(out["details"]) == {"subscriptions", "expiry", "parked_settlements"}
     assert_invariants(conn, w.wallet_id)
 
 

@@ -140,5 +140,5 @@ def test_the_scheduled_handler_freezes_a_drifted_wallet(p, conn):
             out = lambda_handler(json.load(f), FakeLambdaContext("aivedio-wallet-check"))
     finally:
         set_platform(None)
-    assert str(w.wallet_id) in out["mismatched_wallets"] and out["wallets"] >= 1
+    assert str(w.wallet_id) in out["details"]["mismatched_wallets"] and out["details"]["wallets"] >= 1
     assert conn.execute("select frozen from wallet_account where wallet_id = %s", (w.wallet_id,)).fetchone()["frozen"] is True

@@ -245,5 +245,5 @@ def test_the_scheduled_purge_handler(make_platform, conn):
             out = lambda_handler(json.load(f), FakeLambdaContext("aivedio-idempotency-purge"))
     finally:
         set_platform(None)
-    assert out["deleted"] >= 1 and out["complete"] is True
+    assert out["service"] == "idempotency-purge" and out["repaired"] >= 1 and out["complete"] is True
     assert record(conn, t.tenant_id, "to-purge") is None

@@ -66,12 +66,14 @@ def scheduled_event(rule: str) -> dict[str, Any]:
     }
 
 
-def scheduled(rule: str, module: str) -> Callable[[], Any]:
-    """A loop body that invokes a scheduled Lambda handler the way EventBridge would."""
+def scheduled(rule: str, module: str, payload: dict[str, Any] | None = None) -> Callable[[], Any]:
+    """A loop body that invokes a scheduled Lambda handler the way EventBridge would: with the
+    rule's input when it has one (a maintenance service's name), else the scheduled event."""
     handler = load_handler(module)
 
     def run() -> Any:
-        return handler(scheduled_event(rule), FakeLambdaContext(f"aivedio-{rule}", timeout_seconds=SCHEDULED_TIMEOUT_SECONDS))
+        event = dict(payload) if payload is not None else scheduled_event(rule)
+        return handler(event, FakeLambdaContext(f"aivedio-{rule}", timeout_seconds=SCHEDULED_TIMEOUT_SECONDS))
 
     return run
 
@@ -99,7 +101,7 @@ def _scheduled(platform: Platform) -> Iterator[Loop]:
     """One loop per EventBridge schedule of aivedio.events_routing.SCHEDULES (the CDK app reads the
     same table), at the interval the config file gives it."""
     for s in events_routing.SCHEDULES:
-        yield Loop(s.name, s.local_interval(platform.config), scheduled(s.name, s.module))
+        yield Loop(s.name, s.local_interval(platform.config), scheduled(s.name, s.module, s.payload))
 
 
 # Event type -> the SQS-consuming Lambda handler that SQS would invoke with it in AWS; the table is

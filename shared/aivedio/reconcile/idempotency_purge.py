@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 
 from aivedio.observability import logger
+from aivedio.reconcile.room import Defaults, Report, tuning
 
-BATCH_SIZE = 1000  # records deleted per transaction
-MAX_BATCHES = 200  # per run: at most BATCH_SIZE x MAX_BATCHES records; the next run carries on
-INTERVAL_SECONDS = 1800.0  # platform seconds between local runs
-AWS_EVERY_MINUTES = 30  # the EventBridge schedule's rate (whole minutes under an hour)
+NAME = "idempotency-purge"
+# 1,000 records per transaction, at most 200 per run (the next run carries on), every 30 minutes.
+DEFAULTS = Defaults(interval_seconds=1800.0, batch_size=1000, max_batches=200)
 
 PURGE_EXPIRED = """
 delete from idempotency_record r
@@ -46,16 +46,21 @@ class PurgeReport:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def as_report(self) -> Report:
+        return Report(NAME, examined=self.deleted, repaired=self.deleted, batches=self.batches, complete=self.complete)
+
 
 def purge_batch(conn, *, now: datetime, limit: int) -> int:
     """Delete up to `limit` records expired by `now`, in the caller's transaction. Returns how many."""
     return conn.execute(PURGE_EXPIRED, {"now": now, "limit": limit}).rowcount
 
 
-def run_once(platform, *, now: datetime | None = None, batch_size: int = BATCH_SIZE,
-             max_batches: int = MAX_BATCHES) -> PurgeReport:
+def run_once(platform, *, now: datetime | None = None, batch_size: int | None = None,
+             max_batches: int | None = None) -> PurgeReport:
     """One pass: batches until a short one (or max_batches). Safe to run twice at once."""
+    t = tuning(platform, NAME)
     now = now or platform.clock.now()
+    batch_size, max_batches = batch_size or t.batch_size, max_batches or t.max_batches
     deleted = batches = 0
     complete = False
     while batches < max_batches:
