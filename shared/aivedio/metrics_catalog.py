@@ -42,7 +42,13 @@ RECONCILIATION_BREAKS = MetricSpec("ReconciliationBreaks", "Count", (), "Sum",
                                    "reconciliation mismatches found (counter, by the reconcilers)")
 MAINTENANCE_REPAIRS = MetricSpec("MaintenanceRepairs", "Count", ("service",), "Sum",
                                  "things a maintenance service repaired in one run (counter, by aivedio.reconcile.room)")
+# --- outbox and settlement repairs ---
+# --- manual review and stuck submits ---
+# --- degraded modes ---
+# --- invoices ---
 
 ALL: tuple[MetricSpec, ...] = (QUEUE_DEPTH_UNITS, OLDEST_WAIT_SECONDS, PROVIDER_UTILISATION, ADMISSION_REJECTIONS,
                                SUBMIT_UNKNOWN, UNRECONCILED_COST, STARVATION_INTERVENTIONS, OUTBOX_BACKLOG,
-                               RECONCILIATION_BREAKS, MAINTENANCE_REPAIRS)
+                               RECONCILIATION_BREAKS, MAINTENANCE_REPAIRS,
+                               # --- further metrics, by capability ---
+                               )

@@ -68,6 +68,7 @@ update outbox_event
 """
 
 COUNT_BACKLOG = "select count(*) as n from outbox_event where status = 'PENDING'"
+COUNT_DEAD_LETTERS = "select count(*) as n from outbox_event where status = 'FAILED'"
 
 INSERT_PROCESSED = """
 insert into processed_event (consumer, event_id) values (%(consumer)s, %(event_id)s)
@@ -215,6 +216,12 @@ def backlog(conn: psycopg.Connection) -> int:
     """Events not yet published (due or waiting for a retry)."""
     with conn.cursor(row_factory=dict_row) as cur:
         return int(cur.execute(COUNT_BACKLOG).fetchone()["n"])
+
+
+def dead_letter_count(conn: psycopg.Connection) -> int:
+    """Events that failed Limits.outbox_max_attempts deliveries and wait for `aivedio admin outbox redrive`."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return int(cur.execute(COUNT_DEAD_LETTERS).fetchone()["n"])
 
 
 def mark_processed(conn: psycopg.Connection, consumer: str, event_id: UUID | str) -> bool:

@@ -53,3 +53,4 @@ def register(sub) -> None:
     k.set_defaults(fn=_api_key_create)
 
     register_admin(admin)
+    # --- further admin commands, by capability (review, outbox, queue, counters; each registers its own) ---

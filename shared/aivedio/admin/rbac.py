@@ -23,11 +23,18 @@ ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
                                 "compensation.approve", "compensation.reject", "wallet.check", "wallet.rebuild",
                                 "wallet.unfreeze", "ledger.correct", "budget.manage",
                                 "subscription.manage", "costs.read", "credits.expire", "operator.grant",
-                                "contract_budget.manage", "costs.import", "api_key.create"}),
+                                "contract_budget.manage", "costs.import", "api_key.create",
+                                *("review.read", "review.resolve", "outbox.read", "outbox.redrive", "queue.redrive",
+                                  "counters.repair", "redis.rebuild", "invoice.reconcile", "invoice.close",
+                                  "invoice.resolve", "maintenance.run")}),
+    # Runs the platform: reviews, dead letters, rebuilds and repairs, the maintenance room on demand.
+    "OPERATOR": frozenset({"review.read", "review.resolve", "outbox.read", "outbox.redrive", "queue.redrive",
+                           "counters.repair", "redis.rebuild", "maintenance.run", "invoice.reconcile", "costs.read",
+                           "wallet.check"}),
     "SUPPORT": frozenset({"refund.create", "compensation.request", "costs.read", "wallet.check"}),
     "FINANCE_APPROVER": frozenset({"refund.approve", "refund.reject", "compensation.approve", "compensation.reject", "costs.read",
-                                   "wallet.check"}),
-    "AUDITOR": frozenset({"costs.read", "wallet.check"}),
+                                   "wallet.check", "invoice.reconcile", "invoice.resolve", "invoice.close"}),
+    "AUDITOR": frozenset({"costs.read", "wallet.check", "review.read", "outbox.read"}),
 }
 ROLES = tuple(ROLE_PERMISSIONS)
 

@@ -275,10 +275,12 @@ def _reconcile_wallets(args) -> int:
 
 def register_admin(admin) -> None:
     """Add the billing commands to `aivedio admin`'s sub-parsers."""
+    from aivedio.admin import rbac
+
     op = admin.add_parser("operator", help="operator roles (RBAC)").add_subparsers(dest="operator_command", required=True)
     g = _common(op.add_parser("grant", help="give an operator a role (the first BILLING_ADMIN bootstraps)"))
     g.add_argument("--grantee", required=True)
-    g.add_argument("--role", required=True, choices=["BILLING_ADMIN", "SUPPORT", "FINANCE_APPROVER", "AUDITOR"])
+    g.add_argument("--role", required=True, choices=list(rbac.ROLES))
     g.set_defaults(fn=_operator_grant)
 
     refund = admin.add_parser("refund", help="refunds of settled charges").add_subparsers(dest="refund_command", required=True)

@@ -158,6 +158,10 @@ SERVICES: tuple[Service, ...] = (
     Service("idempotency-purge", "aivedio.reconcile.idempotency_purge",
             "deletes idempotency records past their TTL", "touch a live record, or free a spent key (its task keeps it)",
             function="idempotency_purge"),
+    # --- reservations, outbox dead letters, unsettled terminals (reconcile/expired_reservations.py, ...) ---
+    # --- stuck submits, MANUAL_REVIEW lookups, parked webhooks, orphan jobs (reconcile/stuck_submits.py, ...) ---
+    # --- Redis index and capacity counters (reconcile/redis_index.py, reconcile/capacity_counters.py) ---
+    # --- provider invoices (reconcile/invoices.py) ---
 )
 
 
