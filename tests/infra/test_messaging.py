@@ -86,6 +86,10 @@ def test_each_schedule_invokes_its_function(synth, stage):
         [target] = rule["Properties"]["Targets"]
         assert target["Arn"] == {"Fn::GetAtt": [fns[s.function]["logical_id"], "Arn"]}
         assert target["RetryPolicy"]["MaximumRetryAttempts"] == 0
+        if s.payload is None:
+            assert "Input" not in target, s.name
+        else:  # a maintenance service: functions/maintenance runs the service its input names
+            assert s.function == "maintenance" and json.loads(target["Input"]) == {"service": s.name}
     assert len(rules) == len(events_routing.SCHEDULES)
 
 
