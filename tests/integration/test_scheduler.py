@@ -32,7 +32,7 @@ from aivedio.scheduling.resources import ensure_platform_pools, rebuild_counters
 from aivedio.scheduling.ring import _keys as ring_keys
 from aivedio.scheduling.ring import Ring, built_key
 from aivedio.scheduling.scheduler import Scheduler
-from tests.admission_support import new_tenant
+from tests.admission_support import new_tenant, second_user
 from tests.conftest import create_test_database, drop_test_database
 from tests.scheduler_support import (BODY_1U, BODY_EXPENSIVE, OPEN, UNCAPPED, complete, counters, finish_all, pick_attempts,
                                      submit, used)
@@ -395,6 +395,48 @@ def test_a_saturated_lane_serves_a_newcomer_within_one_slot_per_backlogged_tenan
         assert freed < 2, "the newcomer waited for more slots than there are backlogged tenants"
         free_one_slot_and_tick()
         freed += 1
+
+
+def test_a_user_at_its_cap_does_not_stop_its_tenants_other_users(make_platform, conn):
+    """Issue 15: user A queues 5 tasks at its running cap of 2, user B of the same tenant queues 1;
+    B's task is claimed in the same tick as A's capped batch is skipped. Before, a user: key ended
+    the tenant's whole turn and B waited behind all of A's batch."""
+    p = start(make_platform, make_config({PAID: LaneConfig(capacity_units=20)}))
+    t = tenant(p, max_running_tasks=20, max_running_units=20, max_user_running_tasks=2, max_user_running_units=20)
+    b = second_user(p, t)
+    a_tasks = submit(p, t.tenant_id, t.user_id, n=5)
+    (b_task,) = submit(p, t.tenant_id, b.user_id)
+    Scheduler(p).tick(5)
+    states = {tid: task_row(conn, tid)["state"] for tid in [*a_tasks, b_task]}
+    assert states[b_task] == "DISPATCHING"
+    assert sorted(states[x] for x in a_tasks) == ["DISPATCHING"] * 2 + ["QUEUED"] * 3
+
+
+def test_a_visit_reads_past_a_capped_users_heads_to_the_next_user(make_platform, conn):
+    # All of the first fit-scan window belongs to a capped user: the visit reads the other users'
+    # heads once (a bounded scan) instead of giving up the turn.
+    p = start(make_platform, make_config({PAID: LaneConfig(capacity_units=20)}, fit_scan_depth=4))
+    t = tenant(p, max_running_tasks=20, max_running_units=20, max_user_running_tasks=1, max_user_running_units=20)
+    b = second_user(p, t)
+    submit(p, t.tenant_id, t.user_id, n=6)
+    (b_task,) = submit(p, t.tenant_id, b.user_id)
+    Scheduler(p).tick(5)
+    assert task_row(conn, b_task)["state"] == "DISPATCHING"
+    running = conn.execute("select user_id, count(*) as n from generation_task where tenant_id = %s and state = 'DISPATCHING' "
+                           "group by user_id", (t.tenant_id,)).fetchall()
+    assert {r["user_id"]: r["n"] for r in running} == {t.user_id: 1, b.user_id: 1}
+
+
+def test_a_tenant_cap_still_ends_the_turn(make_platform, conn):
+    p = start(make_platform, make_config({PAID: LaneConfig(capacity_units=20)}))
+    t = tenant(p, max_running_tasks=2, max_running_units=20, max_user_running_tasks=20, max_user_running_units=20)
+    b = second_user(p, t)
+    submit(p, t.tenant_id, t.user_id, n=3)
+    submit(p, t.tenant_id, b.user_id, n=3)
+    Scheduler(p).tick(5)
+    n = conn.execute("select count(*) as n from generation_task where tenant_id = %s and state = 'DISPATCHING'",
+                     (t.tenant_id,)).fetchone()["n"]
+    assert n == 2
 
 
 def test_a_tenant_whose_tasks_wait_out_a_backoff_stays_on_the_ring(make_platform, conn):

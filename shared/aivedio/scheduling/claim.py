@@ -27,8 +27,13 @@ class NoRoom(Exception):
 
     @property
     def tenant_bound(self) -> bool:
-        """The tenant's or user's own caps: other tasks of this tenant would not fit either."""
+        """The tenant's or user's own caps: no other route (account, region, lane) gives room."""
         return self.key.startswith(("tenant:", "user:"))
+
+    @property
+    def user_bound(self) -> bool:
+        """One user's own caps: that user's other tasks would not fit, the tenant's other users' may."""
+        return self.key.startswith("user:")
 
 
 @dataclass(frozen=True)

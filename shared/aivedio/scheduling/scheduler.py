@@ -52,13 +52,17 @@ def _policy(conn, tenant_id: UUID) -> dict:
     return conn.execute("select * from tenant_scheduling_policy where tenant_id = %s", (tenant_id,)).fetchone()
 
 
-def head_tasks(conn, lane: str, tenant_id: UUID, now, limit: int) -> list[dict]:
-    """A tenant's next tasks in a lane: best priority band first, FIFO within a band."""
+def head_tasks(conn, lane: str, tenant_id: UUID, now, limit: int, *, skip_users: list[UUID] | None = None,
+               skip_tasks: list[UUID] | None = None) -> list[dict]:
+    """A tenant's next tasks in a lane: best priority band first, FIFO within a band. `skip_users`
+    leaves out users at their own caps (and `skip_tasks` what the visit has already read), so a visit
+    can go on with the tenant's other users."""
     return conn.execute(
         """select * from generation_task
             where state = 'QUEUED' and queue_class = %s and tenant_id = %s and next_eligible_at <= %s
+              and user_id <> all(%s::uuid[]) and task_id <> all(%s::uuid[])
             order by priority_band, next_eligible_at, enqueue_at limit %s""",
-        (lane, tenant_id, now, limit),
+        (lane, tenant_id, now, skip_users or [], skip_tasks or [], limit),
     ).fetchall()
 
 
@@ -198,7 +202,24 @@ class Scheduler:
             # concurrent batches lock shards in opposite orders and deadlock. Varies per visit.
             prefer = preferred_shard(tenant_id) + st["visits"]
             tier = lane if lane in ("EXPENSIVE", "RECOVERY") else policy["service_class"]
-            for i, task in enumerate(heads):
+            capped_users: set[UUID] = set()  # users at their own running caps: skipped for the rest of the visit
+            rescanned = False
+            i = -1
+            while True:
+                if i + 1 >= len(heads):
+                    if not capped_users or rescanned or len(heads) < self.cfg.fit_scan_depth or len(claims) >= batch:
+                        break
+                    # Every head read was looked at and some were a capped user's: read the other
+                    # users' next heads, once per visit (a bounded scan).
+                    rescanned = True
+                    heads = heads + head_tasks(conn, lane, tenant_id, now, self.cfg.fit_scan_depth,
+                                               skip_users=list(capped_users), skip_tasks=[h["task_id"] for h in heads])
+                    if i + 1 >= len(heads):
+                        break
+                i += 1
+                task = heads[i]
+                if task["user_id"] in capped_users:
+                    continue
                 if len(claims) >= batch or task["fairness_units"] > deficit:
                     break
                 if too_big is not None and task["fairness_units"] >= too_big:
@@ -217,6 +238,12 @@ class Scheduler:
                         # Its project's budget is spent: the task waits a while, and the tenant's other
                         # projects go on (capping the tenant would let it block them for a whole period).
                         self._defer(conn, lane, task, now, e.key)
+                        continue
+                    if e.user_bound:
+                        # This user is at its own cap: its other tasks wait, the tenant's other users
+                        # go on (ch. 18.5: users are isolated inside a tenant). Only tenant: keys end the turn.
+                        capped_users.add(task["user_id"])
+                        metrics.add("fit_scan_skips", lane=lane, reason="user_capped")
                         continue
                     if e.tenant_bound:
                         outcome = "CAPPED"
@@ -251,6 +278,8 @@ class Scheduler:
                     view.borrow_room -= c.units  # one visit cannot lend into min_headroom_units
                     view.can_borrow = view.borrow_room > 0
                 deficit -= c.units
+            if capped_users and not claims and outcome == "CREDITED":
+                outcome = "CAPPED"  # every user with work here is at its cap
             served = sum(c.units for c in claims)
             # The batch filled with deficit left: the turn continues with the next head, or, when every
             # head read was claimed, with the tenant's next tasks (there may be more than were read).
