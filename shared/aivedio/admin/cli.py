@@ -30,6 +30,16 @@ def _api_key_create(args: argparse.Namespace) -> int:
                                                   project=args.project).as_dict())
 
 
+def _user_create(args: argparse.Namespace) -> int:
+    from aivedio.admin.users import create_user
+    from aivedio.billing.cli import _operator, _run
+
+    # Like `tenant create`, the CLI runs with the database's credentials and is trusted as such: the
+    # write is audited as --operator or cli:<os user> (contracts/operations.md).
+    return _run(args, lambda p, c: create_user(c, operator=_operator(args), tenant_id=args.tenant_id, role=args.role,
+                                               name=args.name).as_dict())
+
+
 def register(sub) -> None:
     admin = sub.add_parser("admin", help="operator commands").add_subparsers(dest="admin_command", required=True)
     tenant = admin.add_parser("tenant", help="tenants").add_subparsers(dest="tenant_command", required=True)
@@ -51,6 +61,14 @@ def register(sub) -> None:
     k.add_argument("--user-id", type=UUID, default=None, help="the key's user (default: the tenant's first OWNER)")
     k.add_argument("--project", required=True, help="1 to 64 of A-Z a-z 0-9 _ . - ; its budgets use the scope id TENANT_ID:PROJECT")
     k.set_defaults(fn=_api_key_create)
+
+    user = admin.add_parser("user", help="users of a tenant").add_subparsers(dest="user_command", required=True)
+    u = _common(user.add_parser("create", help="another user of a tenant, with its own API key (shown once) and its "
+                                               "own per-user limits"))
+    u.add_argument("--tenant-id", required=True, type=UUID)
+    u.add_argument("--role", default="MEMBER", choices=["MEMBER", "OWNER"])
+    u.add_argument("--name", default=None)
+    u.set_defaults(fn=_user_create)
 
     register_admin(admin)
     # --- further admin commands, by capability (review, outbox, queue, counters; each registers its own) ---
