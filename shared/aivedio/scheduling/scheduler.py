@@ -15,13 +15,14 @@ from uuid import UUID
 
 import psycopg
 
+from aivedio import degraded
 from aivedio.billing import budgets
 from aivedio.billing.errors import BudgetExceeded, CurrencyMismatch
 from aivedio.observability import logger, metrics
-from aivedio.scheduling import router
+from aivedio.scheduling import drr, router
 from aivedio.scheduling.claim import ENTERPRISE, LENDER_KEY, Claimed, NoRoom, claim
 from aivedio.scheduling.resources import account_key, free_units, preferred_shard
-from aivedio.scheduling.ring import Ring
+from aivedio.scheduling.ring import DOWN, MISSING, READY, Ring
 
 # Lanes whose tasks may borrow the enterprise lane's idle capacity (bounded by borrowable_units).
 BORROWERS = ("PAID_SHARED", "STANDARD")
@@ -183,16 +184,11 @@ class Scheduler:
                                         paused_kind = null, updated_at = %s where lane = %s and tenant_id = %s""",
                              (now, lane, tenant_id))
                 return VisitResult("EMPTY")
-            quantum = self.cfg.base_quantum * policy["weight"]
-            deficit = st["deficit"]
-            if not st["active"]:  # back from empty: no hoarded credit beyond the initial burst (ch. 18.6.4)
-                deficit = min(deficit, policy["initial_burst_credit"])
-            debt_paid = min(st["fairness_debt"], quantum // 2)
-            cap = max(quantum * max(1, policy["burst_rounds"]), max(h["fairness_units"] for h in heads))
-            if resuming:
-                debt_paid = 0
-            else:
-                deficit = min(deficit + quantum * rounds - debt_paid, cap * rounds)
+            turn = drr.begin_turn(deficit=st["deficit"], active=st["active"], fairness_debt=st["fairness_debt"],
+                                  weight=policy["weight"], base_quantum=self.cfg.base_quantum,
+                                  initial_burst_credit=policy["initial_burst_credit"], burst_rounds=policy["burst_rounds"],
+                                  biggest_head=max(h["fairness_units"] for h in heads), rounds=rounds, resuming=resuming)
+            deficit, debt_paid, cap = turn.deficit, turn.debt_paid, turn.cap
             claims: list[Claimed] = []
             outcome = "CREDITED"
             pending = False
@@ -220,7 +216,7 @@ class Scheduler:
                 task = heads[i]
                 if task["user_id"] in capped_users:
                     continue
-                if len(claims) >= batch or task["fairness_units"] > deficit:
+                if len(claims) >= batch or not drr.fits(task["fairness_units"], deficit):
                     break
                 if too_big is not None and task["fairness_units"] >= too_big:
                     continue  # fails the same way as the head that just did not fit
@@ -284,7 +280,7 @@ class Scheduler:
             # The batch filled with deficit left: the turn continues with the next head, or, when every
             # head read was claimed, with the tenant's next tasks (there may be more than were read).
             if len(heads) > len(claims):
-                next_fits = heads[len(claims)]["fairness_units"] <= deficit
+                next_fits = drr.fits(heads[len(claims)]["fairness_units"], deficit)
             else:
                 next_fits = len(heads) >= self.cfg.fit_scan_depth and deficit > 0
             more = len(claims) >= batch and next_fits
@@ -304,14 +300,13 @@ class Scheduler:
                 ended_at = st["turn_ended_at"]
             else:
                 paused_on, kind, paused_at, ended_at = None, None, None, now
-            if not more:  # the turn is over, or waits for room: nothing beyond one round's cap is banked
-                deficit = min(deficit, cap)
+            deficit = drr.end_turn(deficit, cap, continues=more)  # nothing beyond one round's cap is banked
             conn.execute(
                 """update drr_lane_tenant set deficit = %s, fairness_debt = fairness_debt - %s, active = true,
                           served_units = served_units + %s, visits = visits + 1, last_active_at = %s, updated_at = %s,
                           paused_on = %s, paused_kind = %s, paused_at = %s, turn_ended_at = %s
                     where lane = %s and tenant_id = %s""",
-                (max(0, deficit), debt_paid, served, now, now, paused_on, kind, paused_at, ended_at, lane, tenant_id),
+                (deficit, debt_paid, served, now, now, paused_on, kind, paused_at, ended_at, lane, tenant_id),
             )
             return VisitResult("CLAIMED" if claims else outcome, claims, more, pending or more)
 
@@ -398,12 +393,20 @@ class Scheduler:
         p = self.platform
         deadline = time.monotonic() + (budget_seconds if budget_seconds is not None else self.cfg.tick_budget_seconds)
         report = TickReport()
+        # A capacity counter known to be wrong (the capacity-counters service found it and has not
+        # committed the repair yet): conservative capacity mode until it has (ch. 18.18).
+        suspect = degraded.capacity_suspect(p)
         for lane in lanes or self.cfg.lane_order:
-            use_redis = self.ring.redis_ready(lane)
-            if not use_redis and p.cache is not None:
+            state = self.ring.index_state(lane)
+            use_redis = state == READY
+            if state == MISSING:  # flushed, restarted empty, or stale: rebuilt now; this tick stays conservative
                 with p.db.connection() as conn:
-                    self.ring.rebuild(conn, lane)  # a flushed index is rebuilt; this tick stays conservative
-            conservative = not use_redis
+                    self.ring.rebuild(conn, lane)
+            elif state == DOWN:  # the PostgreSQL ring serves until Redis answers (nothing to rebuild into yet)
+                degraded.redis_down(p, "the scheduler tick could not read the queue index")
+            elif state == READY:
+                degraded.leave(p, degraded.REDIS)
+            conservative = not use_redis or suspect
             report.conservative |= conservative
             if conservative and lane in PAUSED_WHEN_CONSERVATIVE:
                 continue
