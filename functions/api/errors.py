@@ -14,6 +14,7 @@ from aws_lambda_powertools.event_handler import APIGatewayRestResolver, Response
 from aws_lambda_powertools.event_handler.exceptions import NotFoundError, ServiceError
 from aws_lambda_powertools.event_handler.openapi.exceptions import RequestUnsupportedContentType, RequestValidationError
 
+from aivedio.db.pool import UNAVAILABLE
 from aivedio.errors import DomainError
 from aivedio.observability import logger
 
@@ -140,6 +141,19 @@ def install(app: APIGatewayRestResolver) -> None:
             fields = details.get("fields") if isinstance(details.get("fields"), dict) else {}
             details = {**details, **field_errors(fields, e.code.lower())} if "errors" not in details else details
         return error_response(status, e.code, e.message, details)
+
+    @app.exception_handler(list(UNAVAILABLE))
+    def _database_down(e: Exception) -> Response:
+        # PostgreSQL went away after the gate let the request in: fail closed, like the gate (503).
+        from aivedio import degraded
+        from aivedio.admission.decisions import database_unavailable
+        from aivedio.context import get_platform
+
+        logger.warning("database unavailable in an API route", extra={"error": repr(e)[:300]})
+        degraded.database_down(get_platform())
+        r = database_unavailable()
+        return Response(status_code=r.status, content_type=content_types.APPLICATION_JSON, body={**r.body(), "details": {}},
+                        headers={"Retry-After": str(r.retry_after_seconds)})
 
     @app.exception_handler(ServiceError)
     def _service(e: ServiceError) -> Response:

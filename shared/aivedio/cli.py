@@ -82,7 +82,8 @@ _EXTENSIONS: list[Callable[[Any], None]] = []
 def _load_extensions() -> None:
     import importlib
 
-    for mod in ("aivedio.admin.cli", "aivedio.reconcile.cli", "aivedio.bench.cli", "aivedio.simulate.cli", "aivedio.providers.cli", "aivedio.demo"):
+    for mod in ("aivedio.admin.cli", "aivedio.reconcile.cli", "aivedio.reconcile.rebuild_cli", "aivedio.bench.cli",
+                "aivedio.simulate.cli", "aivedio.providers.cli", "aivedio.demo"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

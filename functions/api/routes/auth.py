@@ -14,7 +14,9 @@ import binascii
 import json
 from typing import Any
 
+from aivedio.admission.decisions import database_unavailable
 from aivedio.auth import Caller, authenticate
+from aivedio.db.pool import UNAVAILABLE
 from aivedio.context import get_platform
 from aivedio.errors import Unauthenticated
 from functions.api.errors import field_errors
@@ -84,15 +86,28 @@ def gate(app, event: dict) -> dict | None:
         return None
     headers = {k.lower(): v for k, v in (event.get("headers") or {}).items()}
     try:
-        with platform.db.connection() as conn:
+        with platform.db.connection(timeout=platform.config.limits.api_database_wait_seconds) as conn:
             caller = authenticate(conn, headers.get("authorization"))
     except Unauthenticated as e:
         return _reply(401, "UNAUTHENTICATED", e.message)
+    except UNAVAILABLE:  # PostgreSQL down: fail closed, and fast (ch. 18.18, 20.12.1)
+        return database_unavailable_reply(platform)
     refused = _check_envelope(event, headers)
     if refused is not None:
         return refused
     app.append_context(caller=caller)
     return None
+
+
+def database_unavailable_reply(platform) -> dict:
+    """503 REJECT_DATABASE_UNAVAILABLE, with Retry-After: nothing was admitted or changed."""
+    from aivedio import degraded
+
+    degraded.database_down(platform)
+    r = database_unavailable()
+    return {"statusCode": r.status, "isBase64Encoded": False,
+            "headers": {"Content-Type": "application/json", "Retry-After": str(r.retry_after_seconds)},
+            "body": json.dumps({**r.body(), "details": {}}, separators=(",", ":"))}
 
 
 def caller_of(router) -> Caller:

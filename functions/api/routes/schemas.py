@@ -184,7 +184,9 @@ ERROR_MODELS: dict[int, type[BaseModel]] = {422: ValidationErrorBody, 402: Rejec
                                             429: RejectedBody, 503: RejectedBody}
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait; present when the body has retry_after_seconds",
                                "schema": {"type": "integer", "minimum": 0}}}
-GATE_ERRORS = (401, 413, 422)  # what the gate can answer on any tenant route; 415 too when a body is sent
+# What the gate can answer on any tenant route (503: PostgreSQL unreachable, REJECT_DATABASE_UNAVAILABLE);
+# 415 too when a body is sent.
+GATE_ERRORS = (401, 413, 422, 503)
 BEARER = [{"bearerAuth": []}]
 
 

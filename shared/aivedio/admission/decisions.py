@@ -19,7 +19,18 @@ REJECT_STATUS = {
     "REJECT_RESOURCE_CLASS_DISABLED": 403,
     "REJECT_WALLET_FROZEN": 403,
     "REJECT_PLATFORM_OVERLOADED": 503,
+    # Degraded modes (ch. 18.18, 20.12; aivedio.degraded): fail closed rather than admit unrecorded work.
+    "REJECT_PRICING_UNAVAILABLE": 503,  # no price version readable, and no usable snapshot
+    "REJECT_DATABASE_UNAVAILABLE": 503,  # PostgreSQL unreachable: no balance, no ledger, so nothing is admitted
 }
+
+DATABASE_RETRY_AFTER_SECONDS = 5
+
+
+def database_unavailable() -> "Rejected":
+    """The answer to any request while PostgreSQL cannot be reached (the API's gate and routes)."""
+    return Rejected("REJECT_DATABASE_UNAVAILABLE", "the platform's database is unreachable: nothing was admitted "
+                    "or changed; retry later", DATABASE_RETRY_AFTER_SECONDS)
 
 
 class Rejected(DomainError):

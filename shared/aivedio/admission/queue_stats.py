@@ -7,6 +7,7 @@ import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import datetime
 
 from aivedio.admission.estimates import PROVIDER_SECOND_BASE
 
@@ -85,12 +86,43 @@ def lane_stats(platform, lane: str, conn=None) -> LaneStats:
     return _cache(platform).get(f"lane:{lane}", load)
 
 
-def outbox_backlog(platform) -> int:
-    def load() -> int:
-        row = platform.db.fetchone("select count(*) as n from outbox_event where status = 'PENDING'")
-        return int(row["n"])
+# The backlog and the age of its oldest event in one statement (both from the partial index of
+# migration 0140). Ages are measured on the database's clock, which wrote created_at.
+OUTBOX_STATE = """select count(*) as n, min(created_at) as oldest,
+                         coalesce(extract(epoch from now() - min(created_at)), 0)::float8 as age
+                    from outbox_event where status = 'PENDING'"""
 
-    return _cache(platform).get("outbox_backlog", load)
+
+@dataclass(frozen=True)
+class OutboxState:
+    pending: int
+    oldest_age_seconds: float  # platform seconds (0 without a backlog)
+    oldest_created_at: datetime | None
+
+
+def outbox_state(platform) -> OutboxState:
+    def load() -> OutboxState:
+        row = platform.db.fetchone(OUTBOX_STATE)
+        return OutboxState(int(row["n"]), max(0.0, float(row["age"])) * platform.clock.time_scale, row["oldest"])
+
+    return _cache(platform).get("outbox_state", load)
+
+
+def outbox_backlog(platform) -> int:
+    return outbox_state(platform).pending
+
+
+def outbox_overload(platform, state: OutboxState | None = None) -> str | None:
+    """Why new work must wait for the outbox (the bus is down or the relay stalled: ch. 18.18,
+    20.12.3), or None. Events keep being written meanwhile; only admission stops."""
+    st = state or outbox_state(platform)
+    limits = platform.config.limits
+    if st.pending > limits.outbox_backlog_reject_threshold:
+        return f"{st.pending} outbox events wait to be published (threshold {limits.outbox_backlog_reject_threshold})"
+    if st.oldest_age_seconds > limits.outbox_backlog_max_age_seconds:
+        return (f"the oldest unpublished outbox event is {st.oldest_age_seconds:.0f}s old "
+                f"(threshold {limits.outbox_backlog_max_age_seconds:.0f}s)")
+    return None
 
 
 def expected_wait_seconds(stats: LaneStats, *, tenant_weight: int, tenant_queued_units: int, tenant_active: bool, units: int) -> float:

@@ -6,7 +6,9 @@ import math
 from dataclasses import dataclass
 
 from aivedio.cache.client import CacheUnavailable
-from aivedio.observability import logger
+from aivedio.observability import due, logger
+
+WARN_EVERY_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,11 @@ def take(platform, bucket: str, per_minute: int, cost: int = 1) -> RateDecision:
             allowed, retry_ms = cache.run(cache.script("token_bucket"), keys=[cache.key("rate", bucket)], args=[per_minute, rate, cost])
             return RateDecision(bool(allowed), math.ceil(int(retry_ms) / 1000))
         except CacheUnavailable as e:
-            logger.warning("redis unavailable for rate limit; using PostgreSQL bucket", extra={"bucket": bucket, "error": str(e)})
+            from aivedio import degraded
+
+            degraded.redis_down(platform, str(e))
+            if due("rate-limit-redis-down", WARN_EVERY_SECONDS):  # once a minute, not once per request
+                logger.warning("redis unavailable for rate limit; using PostgreSQL bucket", extra={"bucket": bucket, "error": str(e)})
     return _take_pg(platform, bucket, per_minute, rate, cost)
 
 

@@ -26,7 +26,7 @@ from datetime import datetime, timedelta
 
 import psycopg
 
-from aivedio import outbox
+from aivedio import degraded, outbox
 from aivedio.admission import queue_stats
 from aivedio.admission.decisions import ACCEPTED, ACCEPTED_BEST_EFFORT, Rejected
 from aivedio.admission.estimates import Estimate, check_capabilities, estimate
@@ -167,7 +167,7 @@ def prepare(platform, policy: dict, req: GenerationRequest) -> tuple[Estimate, Q
     probed = probe_inputs(req.inputs, tenant_id=policy["tenant_id"], limits=limits,
                           media_bucket=platform.settings.media_bucket)
     est = estimate(req, probed, policy["tenant_service_class"], platform.config)
-    return est, price_book.quote(price_book.current_version(platform), est)
+    return est, price_book.admission_quote(platform, est)
 
 
 def quote_only(platform, caller: Caller, req: GenerationRequest) -> dict:
@@ -243,8 +243,10 @@ def _check_lane(platform, policy: dict, est: Estimate) -> None:
     lane = platform.config.lanes[est.queue_class]
     if not lane.admission_open:
         raise Rejected("REJECT_RESOURCE_CLASS_DISABLED", f"admission to {est.queue_class} is closed", 60)
-    if queue_stats.outbox_backlog(platform) > platform.config.limits.outbox_backlog_reject_threshold:
-        raise Rejected("REJECT_PLATFORM_OVERLOADED", "the platform is overloaded; retry later", 30)
+    overload = queue_stats.outbox_overload(platform)
+    if overload is not None:  # the bus is down or the relay stalled (ch. 18.18): stop new work until it drains
+        degraded.enter(platform, degraded.OUTBOX_BACKLOG, overload)
+        raise Rejected("REJECT_PLATFORM_OVERLOADED", f"the platform is overloaded ({overload}); retry later", 30)
     stats = queue_stats.lane_stats(platform, est.queue_class)
     if stats.queued_units + est.fairness_units > lane.max_queue_units:
         raise Rejected("REJECT_LANE_QUEUE_FULL", f"{est.queue_class} queue is full", 60)

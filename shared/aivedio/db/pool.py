@@ -17,6 +17,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRYABLE = (errors.SerializationFailure, errors.DeadlockDetected)
+# What PostgreSQL being down (or unreachable) raises: no connection in time (psycopg_pool.PoolTimeout
+# is one), a connection lost mid-statement, the server shutting down. The API maps these to 503.
+UNAVAILABLE = (psycopg.OperationalError,)
 MAX_TX_ATTEMPTS = 8
 
 
@@ -84,8 +87,10 @@ class Database:
         self.pool.close()
 
     @contextmanager
-    def connection(self) -> Iterator[psycopg.Connection]:
-        with self.pool.connection() as conn:
+    def connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection]:
+        """A pooled connection; `timeout` (real seconds) bounds the wait for one, else the pool's 30 s.
+        A wait that runs out raises psycopg_pool.PoolTimeout, one of UNAVAILABLE."""
+        with self.pool.connection(timeout=timeout) as conn:
             yield conn
 
     def transaction(self, fn: Callable[[psycopg.Connection], T], *, attempts: int = MAX_TX_ATTEMPTS) -> T:

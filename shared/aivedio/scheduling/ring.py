@@ -67,21 +67,52 @@ def active_tenants_pg(conn: psycopg.Connection, lane: str) -> list[UUID]:
     return [r["tenant_id"] for r in rows]
 
 
+READY, MISSING, DOWN, DISABLED = "ready", "missing", "down", "disabled"
+
+
 class Ring:
-    """Active tenants of each lane. `redis_ok` turns False when Redis fails or the lane's index is
-    missing (flushed); callers then run in conservative mode on the PostgreSQL ring."""
+    """Active tenants of each lane. `redis_ready` turns False when Redis fails or the lane's index is
+    missing (flushed, or Redis restarted empty); callers then run in conservative mode on the
+    PostgreSQL ring, and a missing index is rebuilt as soon as Redis answers.
+
+    Redis can also come back with its data but without what was written while it was away (a
+    network partition, a failover to a stale replica): an add or remove this process could not make
+    marks the lane stale, and the next look at it, once Redis answers, drops the lane's index_built
+    marker, so every process rebuilds the lane (the redis-index service catches what other processes
+    missed, comparing each ring with PostgreSQL)."""
 
     def __init__(self, platform):
         self.platform = platform
         self.cache = platform.cache
 
-    def redis_ready(self, lane: str) -> bool:
+    def _stale(self) -> set[str]:
+        return self.platform.extras.setdefault("ring_stale_lanes", set())
+
+    def index_state(self, lane: str) -> str:
+        """READY (use the Redis ring), MISSING (Redis answers but the lane must be rebuilt), DOWN
+        (Redis does not answer) or DISABLED (configured without Redis)."""
         if self.cache is None:
-            return False
+            return DISABLED
         try:
-            return bool(self.cache.run(self.cache.r.exists, built_key(self.cache, lane)))
+            if lane in self._stale():
+                self.cache.run(self.cache.r.delete, built_key(self.cache, lane))
+                self._stale().discard(lane)
+                return MISSING
+            return READY if self.cache.run(self.cache.r.exists, built_key(self.cache, lane)) else MISSING
         except CacheUnavailable:
-            return False
+            return DOWN
+
+    def redis_ready(self, lane: str) -> bool:
+        return self.index_state(lane) == READY
+
+    def members(self, lane: str) -> tuple[set[str], list[str]]:
+        """The lane's membership set and its ring list, as Redis holds them (raises CacheUnavailable)."""
+        ring, members = _keys(self.cache, lane)
+        pipe = self.cache.r.pipeline(transaction=False)
+        pipe.smembers(members)
+        pipe.lrange(ring, 0, -1)
+        got_set, got_list = self.cache.run(pipe.execute)
+        return set(got_set), list(got_list)
 
     def next(self, conn: psycopg.Connection, lane: str, use_redis: bool) -> UUID | None:
         if use_redis:
@@ -107,7 +138,7 @@ class Ring:
         try:
             self.cache.run(self.cache.script("ring_add"), keys=_keys(self.cache, lane), args=[str(tenant_id)])
         except CacheUnavailable:
-            pass  # the rebuilder re-adds it; PostgreSQL still has the task
+            self._stale().add(lane)  # rebuilt from PostgreSQL once Redis answers; PostgreSQL still has the task
 
     def remove(self, lane: str, tenant_id: UUID) -> None:
         if self.cache is None:
@@ -115,11 +146,31 @@ class Ring:
         try:
             self.cache.run(self.cache.script("ring_remove"), keys=_keys(self.cache, lane), args=[str(tenant_id)])
         except CacheUnavailable:
-            pass
+            self._stale().add(lane)
+
+    def drop(self, lane: str, tenant_id: UUID | str) -> None:
+        """Take a tenant out of both the set and every place in the list (a repair: remove() only
+        touches the list when the set had the tenant). Raises CacheUnavailable."""
+        ring, members = _keys(self.cache, lane)
+        pipe = self.cache.r.pipeline(transaction=True)  # both keys carry the lane's hash tag
+        pipe.srem(members, str(tenant_id))
+        pipe.lrem(ring, 0, str(tenant_id))
+        self.cache.run(pipe.execute)
 
     def rebuild(self, conn: psycopg.Connection, lane: str) -> int:
-        """QueueIndexRebuilder: re-add every tenant with queued work; mark the lane's index built."""
+        """QueueIndexRebuilder: mark the lane's index built, then re-add every tenant with queued work.
+
+        The marker comes first and PostgreSQL is read after it: a tenant queued before the marker
+        was set is in what the read returns, one queued after it is added by its queue indexer, and
+        a flush at any moment takes the marker with it, so the lane is rebuilt again. (Marking last
+        let a FLUSHALL between the adds and the marker leave a marked, empty ring.) Should the adds
+        fail, the marker may stand over a partial ring: the lane is marked stale, so this process
+        drops the marker once Redis answers, and the redis-index service repairs it for others."""
         if self.cache is None:
+            return 0
+        try:
+            self.cache.run(self.cache.r.set, built_key(self.cache, lane), "1")
+        except CacheUnavailable:
             return 0
         tenants = active_tenants_pg(conn, lane)
         added = 0
@@ -130,8 +181,8 @@ class Ring:
                 script(keys=_keys(self.cache, lane), args=[str(t)], client=pipe)
             results = self.cache.run(pipe.execute) if tenants else []
             added = sum(int(x) for x in results)
-            self.cache.run(self.cache.r.set, built_key(self.cache, lane), "1")
         except CacheUnavailable:
+            self._stale().add(lane)
             return 0
         if added:
             logger.info("queue index rebuilt", extra={"lane": lane, "tenants_added": added, "active": len(tenants)})

@@ -76,6 +76,13 @@ def provider_stats(platform) -> dict[str, ProviderStats]:
     return cached(platform, "provider_stats", load)
 
 
+def open_breakers(platform) -> dict[str, ProviderStats]:
+    """The providers whose circuit breaker is open (ch. 18.18): route() offers none of their
+    accounts, so they get no new attempts. What they already accepted is not touched: an attempt
+    keeps the provider it was submitted to (no claim or lifecycle step re-routes a live attempt)."""
+    return {name: st for name, st in provider_stats(platform).items() if st.breaker_open}
+
+
 def candidates(config: PlatformConfig, model: str, resolution: str, duration_seconds: int) -> list[tuple]:
     """Hard filter by the capability matrix: (provider config, account) pairs able to run the job."""
     out = []

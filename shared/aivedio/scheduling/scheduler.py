@@ -313,6 +313,11 @@ class Scheduler:
         result = p.db.transaction(tx)
         if result.outcome == "EMPTY":
             self.ring.remove(lane, tenant_id)
+            # A task admitted after the visit looked, whose queue indexer added the tenant before this
+            # removal, would be off the ring until a rebuild: look again now that it is removed.
+            with p.db.connection() as conn:
+                if _waiting(conn, lane, tenant_id):
+                    self.ring.add(lane, tenant_id)
         for c in result.claims:
             view.free -= c.units if c.capacity_mode == "NORMAL" else 0
             metrics.add("claims", lane=lane)
