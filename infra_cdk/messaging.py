@@ -2,7 +2,12 @@
 
 - one SQS queue per consuming function, with its DLQ (after MAX_RECEIVES failed receives), fed
   by the outbox relay for each event type the function subscribes to; the consumer may consume
-  from its queue and nothing else, and reports partial batch failures;
+  from its queue and nothing else, and reports partial batch failures. A DLQ keeps its messages
+  DLQ_RETENTION_DAYS, alarms as soon as it holds one (infra_cdk/observability.py), and is emptied
+  back into its queue by an operator, `aivedio admin queue redrive --queue <queue name>` (SQS
+  StartMessageMoveTask with the operator's credentials: no function is granted anything for it).
+  A settlement that waits there is not lost meanwhile: `unsettled-terminals` settles its task
+  from PostgreSQL;
 - a catch-all queue ("*") for event types no function consumes yet: the relay publishes them
   there instead of failing them, nobody consumes it, and messages expire after a day or a few;
 - one EventBridge schedule per entry of SCHEDULES, invoking the function asynchronously with no
@@ -28,6 +33,7 @@ from infra_cdk.nag import suppress
 from infra_cdk.stages import StageConfig
 
 MAX_RECEIVES = 5
+DLQ_RETENTION_DAYS = 14  # SQS's longest: time to fix the cause and redrive
 BATCH_SIZE = 10
 VISIBILITY_TIMEOUT_FACTOR = 6  # AWS's advice for SQS event sources: 6 x the function timeout
 CONTINUOUS_PERIODS = 2  # a continuous schedule's function timeout, in schedule periods
@@ -52,7 +58,7 @@ class Messaging(Construct):
         queue_urls: dict[str, str] = {}
         for consumer, event_types in events_routing.consumers().items():
             fn = functions[consumer]
-            dlq = _queue(self, f"{consumer}-dlq", name=f"{stage.prefix}-{consumer}-dlq", retention_days=14)
+            dlq = _queue(self, f"{consumer}-dlq", name=f"{stage.prefix}-{consumer}-dlq", retention_days=DLQ_RETENTION_DAYS)
             queue = _queue(self, consumer, name=f"{stage.prefix}-{consumer}", retention_days=stage.queue_retention_days,
                            visibility=Duration.seconds(fn.profile.timeout_seconds * VISIBILITY_TIMEOUT_FACTOR), dlq=dlq)
             # Grants the consumer ReceiveMessage/DeleteMessage/ChangeMessageVisibility/GetQueue* on
@@ -77,11 +83,14 @@ class Messaging(Construct):
                     queue.grant_send_messages(fn.role)
 
         self.rules: dict[str, events.Rule] = {}
+        configured: set[str] = set()
         for s in events_routing.SCHEDULES:
             fn = functions[s.function]
             if s.continuous:
                 _check_continuous(s, fn, stage)
-            fn.function.configure_async_invoke(retry_attempts=0, max_event_age=Duration.minutes(1))
+            if s.function not in configured:  # once per function: the maintenance Lambda runs several schedules
+                fn.function.configure_async_invoke(retry_attempts=0, max_event_age=Duration.minutes(1))
+                configured.add(s.function)
             rule = events.Rule(self, f"schedule-{s.name}", rule_name=f"{stage.prefix}-{s.name}",
                                description=f"invokes {fn.function.function_name} ({s.name})",
                                schedule=events.Schedule.rate(Duration.minutes(s.aws_every_minutes)))

@@ -7,14 +7,17 @@ depths, and function errors. Lanes come from aivedio.config.LANES; providers and
 are open sets, so their graphs use SEARCH expressions.
 
 Alarms (to one SNS topic, encrypted with a key CloudWatch may use): starvation (a lane's oldest
-wait over its max_wait_seconds), outbox backlog, every DLQ holding a message, reconciliation
-breaks, errors of the scheduled functions (a failing tick or relay halts the platform), and
-attempt workflow executions that fail or time out (a step raised: the lease scanner restarts the
-attempt, but a step that keeps raising needs a look).
+wait over its max_wait_seconds), outbox backlog, every DLQ holding a message (its redrive path is
+`aivedio admin queue redrive`, SQS StartMessageMoveTask back to the source queue), outbox dead
+letters (FAILED rows, redriven with `aivedio admin outbox redrive`; and when the service that counts
+them stops publishing), reconciliation breaks, errors of the scheduled functions (a failing tick or
+relay halts the platform), and attempt workflow executions that fail or time out (a step raised:
+the lease scanner restarts the attempt, but a step that keeps raising needs a look).
 
 The catalog's gauges and counters are emitted by the capabilities that own them (scheduler,
 attempts, reconcilers); until they do, those graphs stay empty and those alarms stay in
-INSUFFICIENT_DATA/OK (missing data is not breaching)."""
+INSUFFICIENT_DATA/OK (missing data is not breaching; the outbox dead letters' gauge, published on
+every run of its service, is the exception)."""
 from __future__ import annotations
 
 from aws_cdk import Duration
@@ -30,11 +33,13 @@ from constructs import Construct
 from aivedio import events_routing
 from aivedio import metrics_catalog as mc
 from aivedio.config import LANES, Limits, PlatformConfig
+from aivedio.reconcile import outbox_dead_letters
 from infra_cdk.functions import Functions
 from infra_cdk.stages import StageConfig
 
 PERIOD = Duration.minutes(1)
 OUTBOX_BACKLOG_ALARM = Limits().outbox_backlog_reject_threshold // 10  # alarm long before admission rejects
+OUTBOX_DEAD_LETTERS_RUNS = 2  # the alarm's period, in the service's runs: one lost invocation is not an alarm
 
 
 def metric(spec: mc.MetricSpec, *, label: str | None = None, **dims: str) -> cw.Metric:
@@ -63,11 +68,12 @@ class Observability(Construct):
         action = cw_actions.SnsAction(self.topic)
         self.alarms: list[cw.Alarm] = []
 
-        def alarm(cid: str, m: cw.IMetric, *, threshold: float, periods: int, description: str) -> cw.Alarm:
+        def alarm(cid: str, m: cw.IMetric, *, threshold: float, periods: int, description: str,
+                  missing: cw.TreatMissingData = cw.TreatMissingData.NOT_BREACHING) -> cw.Alarm:
             a = cw.Alarm(self, cid, alarm_name=f"{stage.prefix}-{cid}", metric=m, threshold=threshold,
                          evaluation_periods=periods,
                          comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
-                         treat_missing_data=cw.TreatMissingData.NOT_BREACHING, alarm_description=description)
+                         treat_missing_data=missing, alarm_description=description)
             a.add_alarm_action(action)
             a.add_ok_action(action)
             self.alarms.append(a)
@@ -86,7 +92,18 @@ class Observability(Construct):
         for consumer, dlq in dlqs.items():
             alarm(f"dlq-{consumer.replace('_', '-')}",
                   dlq.metric_approximate_number_of_messages_visible(period=PERIOD, statistic="Maximum"),
-                  threshold=0, periods=1, description=f"{consumer}: messages in its dead-letter queue")
+                  threshold=0, periods=1, description=f"{consumer}: messages in its dead-letter queue; after a fix, "
+                                                      f"`aivedio admin queue redrive --queue {stage.prefix}-{consumer}`")
+        # The outbox's own dead letters: events the relay gave up on. The outbox-dead-letters service
+        # publishes the gauge on every run, 0 included, so a window of two of its runs without a
+        # datapoint means it is not running: missing data breaches, and a stopped service is seen.
+        every = events_routing.schedule(outbox_dead_letters.NAME).aws_every_minutes
+        alarm("outbox-dead-letters",
+              metric(mc.OUTBOX_DEAD_LETTERS).with_(period=Duration.minutes(OUTBOX_DEAD_LETTERS_RUNS * every)),
+              threshold=0, periods=1, missing=cw.TreatMissingData.BREACHING,
+              description=f"outbox events FAILED after outbox_max_attempts deliveries (see `aivedio admin outbox list`, "
+                          f"then `aivedio admin outbox redrive`), or no datapoint for {OUTBOX_DEAD_LETTERS_RUNS * every} "
+                          f"minutes: the {outbox_dead_letters.NAME} service is not running")
         scheduled = {s.function for s in events_routing.SCHEDULES}
         for fn in functions:
             if fn.name in scheduled:
@@ -120,7 +137,8 @@ class Observability(Construct):
             cw.SingleValueWidget(title="Unreconciled cost (USD)", width=4, metrics=[metric(mc.UNRECONCILED_COST)]),
         )
         self.dashboard.add_widgets(
-            cw.GraphWidget(title="Outbox backlog", left=[metric(mc.OUTBOX_BACKLOG)], width=8,
+            cw.GraphWidget(title="Outbox backlog / dead letters", left=[metric(mc.OUTBOX_BACKLOG, label="backlog")], width=8,
+                           right=[metric(mc.OUTBOX_DEAD_LETTERS, label="dead letters")],
                            left_annotations=[cw.HorizontalAnnotation(value=OUTBOX_BACKLOG_ALARM, label="alarm")]),
             cw.GraphWidget(title="Event queues: visible / oldest (s)", width=8,
                            left=[q.metric_approximate_number_of_messages_visible(period=PERIOD, label=n) for n, q in queues.items()],

@@ -5,8 +5,9 @@ Writers call write_event() with the connection of their own transaction, so the 
 and only if the change does. The relay claims due PENDING rows with FOR UPDATE SKIP LOCKED (so
 concurrent relays never deliver the same row at once), delivers each, and marks it PUBLISHED only
 after delivery returned. A failed delivery is retried with exponential backoff and becomes FAILED
-after Limits.outbox_max_attempts, where an operator sees it. A crash between delivery and commit
-delivers again: consumers deduplicate with mark_processed().
+after Limits.outbox_max_attempts: a dead letter, which the `outbox-dead-letters` service counts
+and alarms on, and `aivedio admin outbox redrive` puts back to PENDING. A crash between delivery
+and commit delivers again: consumers deduplicate with mark_processed().
 
 The relay polls (in AWS a continuous run, aivedio.wakeups), and a writer need not wait for its next
 poll: a handler wrapped in waking_relay() wakes the relay once it has written events, after its
@@ -69,6 +70,43 @@ update outbox_event
 
 COUNT_BACKLOG = "select count(*) as n from outbox_event where status = 'PENDING'"
 COUNT_DEAD_LETTERS = "select count(*) as n from outbox_event where status = 'FAILED'"
+
+# Dead letters (aivedio.reconcile.outbox_dead_letters): what an operator lists and redrives.
+DEAD_LETTERS_BY_TYPE = """
+select event_type, count(*) as n, min(created_at) as oldest
+  from outbox_event where status = 'FAILED'
+ group by event_type order by event_type
+"""
+
+LIST_EVENTS = """
+select event_id, event_type, aggregate_type, aggregate_id, tenant_id, status, attempts, next_retry_at, last_error,
+       created_at, published_at, payload
+  from outbox_event
+ where status = %(status)s
+   and (%(event_type)s::text is null or event_type = %(event_type)s)
+   and (%(tenant_id)s::uuid is null or tenant_id = %(tenant_id)s)
+ order by created_at, event_id
+ limit %(limit)s
+"""
+
+# Redrive: a FAILED row goes back to PENDING with its attempts reset and due now, so the relay
+# delivers it at its next poll with a full set of retries. last_error stays until it is delivered
+# (MARK_PUBLISHED clears it). Either the given ids or every FAILED row (of one type); a row that is
+# not FAILED (redriven by someone else meanwhile, or never failed) is left as it is.
+REDRIVE_DEAD_LETTERS = """
+with due as (
+    select event_id, attempts from outbox_event
+     where status = 'FAILED'
+       and (%(ids)s::uuid[] is null or event_id = any(%(ids)s::uuid[]))
+       and (%(event_type)s::text is null or event_type = %(event_type)s)
+     order by created_at, event_id
+       for update skip locked)
+update outbox_event o
+   set status = 'PENDING', attempts = 0, next_retry_at = now()
+  from due
+ where o.event_id = due.event_id
+returning o.event_id, o.event_type, o.aggregate_type, o.aggregate_id, o.tenant_id, due.attempts as attempts_before, o.last_error
+"""
 
 INSERT_PROCESSED = """
 insert into processed_event (consumer, event_id) values (%(consumer)s, %(event_id)s)
@@ -222,6 +260,29 @@ def dead_letter_count(conn: psycopg.Connection) -> int:
     """Events that failed Limits.outbox_max_attempts deliveries and wait for `aivedio admin outbox redrive`."""
     with conn.cursor(row_factory=dict_row) as cur:
         return int(cur.execute(COUNT_DEAD_LETTERS).fetchone()["n"])
+
+
+def dead_letters_by_type(conn: psycopg.Connection) -> list[dict[str, Any]]:
+    """FAILED events per event type, with the oldest one's creation time."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(DEAD_LETTERS_BY_TYPE).fetchall()
+
+
+def list_events(conn: psycopg.Connection, *, status: str = FAILED, event_type: str | None = None,
+                tenant_id: UUID | None = None, limit: int = 100) -> list[dict[str, Any]]:
+    """Events of one status (the dead letters by default), oldest first."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(LIST_EVENTS, {"status": status, "event_type": event_type, "tenant_id": tenant_id,
+                                         "limit": limit}).fetchall()
+
+
+def redrive(conn: psycopg.Connection, *, event_ids: list[UUID] | None = None,
+            event_type: str | None = None) -> list[dict[str, Any]]:
+    """Put dead letters back in the relay's way (REDRIVE_DEAD_LETTERS), in the caller's transaction:
+    the given ones, or, with event_ids None, every FAILED event (of `event_type`). Returns the rows
+    redriven, each with its attempts before the reset."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(REDRIVE_DEAD_LETTERS, {"ids": event_ids, "event_type": event_type}).fetchall()
 
 
 def mark_processed(conn: psycopg.Connection, consumer: str, event_id: UUID | str) -> bool:

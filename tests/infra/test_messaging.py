@@ -75,14 +75,22 @@ def _render(value, template) -> str:
     return sep.join(p if isinstance(p, str) else names[p["Ref"]] for p in parts)
 
 
+def _rate(minutes: int) -> str:
+    """EventBridge's rate expression as CDK writes it: in the largest whole unit."""
+    for size, unit in ((1440, "day"), (60, "hour"), (1, "minute")):
+        if minutes % size == 0:
+            n = minutes // size
+            return f"rate({n} {unit}{'' if n == 1 else 's'})"
+    raise AssertionError(minutes)
+
+
 def test_each_schedule_invokes_its_function(synth, stage):
     template = synth.template_json(stage, "App")
     fns = lambdas(template)
     rules = {r["Properties"]["Name"]: r for r in synth.resources(stage, "App", "AWS::Events::Rule").values()}
     for s in events_routing.SCHEDULES:
         rule = rules[f"aivedio-{stage}-{s.name}"]
-        unit = "minute" if s.aws_every_minutes == 1 else "minutes"
-        assert rule["Properties"]["ScheduleExpression"] == f"rate({s.aws_every_minutes} {unit})"
+        assert rule["Properties"]["ScheduleExpression"] == _rate(s.aws_every_minutes)
         [target] = rule["Properties"]["Targets"]
         assert target["Arn"] == {"Fn::GetAtt": [fns[s.function]["logical_id"], "Arn"]}
         assert target["RetryPolicy"]["MaximumRetryAttempts"] == 0
