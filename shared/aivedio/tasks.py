@@ -30,7 +30,10 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     "PROVIDER_SUCCEEDED": frozenset({"MEDIA_PROCESSING", "SUCCEEDED", "MEDIA_INGEST_FAILED", "CANCEL_REQUESTED"}),
     "MEDIA_PROCESSING": frozenset({"SUCCEEDED", "MEDIA_INGEST_FAILED", "CANCEL_REQUESTED"}),
     "MEDIA_INGEST_FAILED": frozenset({"MEDIA_PROCESSING", "SUCCEEDED", "FAILED"}),
-    "MANUAL_REVIEW": frozenset({"QUEUED", "RUNNING", "PROVIDER_SUCCEEDED", "FAILED", "CANCELLED", "CANCEL_REQUESTED"}),
+    # Out of review (aivedio.attempts.review): a job adopted goes to what it proves (SUBMITTED while
+    # still queued at the provider), a requeue to QUEUED, a fail to FAILED.
+    "MANUAL_REVIEW": frozenset({"QUEUED", "SUBMITTED", "RUNNING", "PROVIDER_SUCCEEDED", "FAILED", "CANCELLED",
+                                "CANCEL_REQUESTED"}),
     "SUCCEEDED": frozenset(),
     "FAILED": frozenset(),
     "CANCELLED": frozenset(),

@@ -167,12 +167,14 @@ def test_accept_then_timeout_is_unknown_then_found_by_key(world):
     assert out == {"next": "wait", "then": "resolve", "wait_seconds": 5}
     assert task_row(p, ref)["state"] == "SUBMIT_UNKNOWN"
     assert active_reservations(p, ref) > 0  # kept while unknown
-    # Its webhook overtakes the lookup: no attempt knows the job yet, so it is refused (the provider
-    # retries) and parked as unmapped until the lookup adopts the job.
+    # Its webhook overtakes the lookup: no attempt knows the job yet, so it is parked (202), kept
+    # whole, until the job is mapped; the job is an UNMAPPED orphan meanwhile.
     job = sim.truth["jobs"][0]
     headers, body = _webhook(p, sim, {"id": job["id"], "status": "running", "created_at": job["created_at"]}, "running")
-    with pytest.raises(callbacks.CallbackRefused):
-        callbacks.receive(p, "provider-a", headers, body)
+    assert callbacks.receive(p, "provider-a", headers, body).status == "parked"
+    with p.db.connection() as conn:
+        assert conn.execute("select reason from orphan_provider_job where provider_job_id = %s",
+                            (job["id"],)).fetchone()["reason"] == "UNMAPPED"
     out = steps.resolve(p, ref, out)
     assert out["next"] == "wait" and out["then"] == "check"
     a = attempt_row(p, ref.attempt_id)
@@ -182,7 +184,8 @@ def test_accept_then_timeout_is_unknown_then_found_by_key(world):
     with p.db.connection() as conn:
         assert conn.execute("select count(*) as n from orphan_provider_job where provider_job_id = %s",
                             (job["id"],)).fetchone()["n"] == 0
-    assert callbacks.receive(p, "provider-a", headers, body).status == "applied"  # the provider's retry lands
+    # A repeated delivery of the parked webhook-id is applied now that the job is mapped.
+    assert callbacks.receive(p, "provider-a", headers, body).status == "applied"
 
 
 def test_absence_confirmed_requeues_and_a_new_attempt_fences_the_old_one(world):
@@ -271,16 +274,19 @@ def test_callbacks_verify_dedupe_and_apply_like_polling(world):
     assert ev["payload"]["charge_id"] == "ch_1" and ev["payload"]["usage"]["cost_amount"] == "0.2500"
 
 
-def test_callback_for_unknown_job_is_refused_and_kept_as_orphan(world):
+def test_callback_for_unknown_job_is_parked_and_kept_as_orphan(world):
     p, sim = world()
     headers, body = _webhook(p, sim, {"id": "job_nobody", "status": "succeeded", "created_at": "2026-01-01T00:00:00Z"},
-                             "succeeded")
-    with pytest.raises(callbacks.CallbackRefused) as e:
-        callbacks.receive(p, "provider-a", headers, body)
-    assert e.value.code == "UNMAPPED"
+                             "succeeded", webhook_id="msg_nobody")
+    assert callbacks.receive(p, "provider-a", headers, body).status == "parked"
+    assert callbacks.receive(p, "provider-a", headers, body).status == "parked"  # the provider's retry: one row
     with p.db.connection() as conn:
-        row = conn.execute("select reason from orphan_provider_job where provider_job_id = 'job_nobody'").fetchone()
-    assert row["reason"] == "UNMAPPED"
+        row = conn.execute("select reason, payload from orphan_provider_job where provider_job_id = 'job_nobody'").fetchone()
+        parked = conn.execute("select webhook_id, state, body from parked_webhook where provider_job_id = 'job_nobody'").fetchall()
+    assert row["reason"] == "UNMAPPED" and row["payload"]["webhook_id"] == "msg_nobody"
+    assert row["payload"]["job"]["status"] == "succeeded"
+    assert [(r["webhook_id"], r["state"]) for r in parked] == [("msg_nobody", "PARKED")]
+    assert parked[0]["body"] == json.loads(body)  # the verified body, whole
 
 
 def test_callback_for_a_replaced_attempt_is_refused(world):
@@ -323,6 +329,11 @@ def test_callback_through_the_api_route(world, serve):
         assert bad.status_code == 401 and bad.json()["error"] == "UNAUTHENTICATED"
         nope = api.http.post("/v1/providers/nobody/callbacks", content=body, headers={**headers, "Content-Type": "application/json"})
         assert nope.status_code == 404
+        unmapped = json.dumps({"type": "job.running", "data": {**job, "id": "job_not_yet_mapped"}})
+        r = api.http.post("/v1/providers/provider-a/callbacks", content=unmapped,
+                          headers={**sign_webhook(SECRET, "msg_unmapped", int(time.time()), unmapped),
+                                   "Content-Type": "application/json"})
+        assert r.status_code == 202 and r.json()["status"] == "parked", r.text
         garbled = '{"type": "job.exploded", "data": {}}'  # signed, but not a job event of the contract
         r = api.http.post("/v1/providers/provider-a/callbacks", content=garbled,
                           headers={**sign_webhook(SECRET, "msg_garbled", int(time.time()), garbled), "Content-Type": "application/json"})

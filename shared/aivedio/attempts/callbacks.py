@@ -4,16 +4,25 @@ the same transition function as polling (lifecycle.apply_job).
 
 Answers, so a provider's retries do the right thing:
 - applied, or already known: 200 (a repeated webhook-id is acknowledged and changes nothing);
+- a job the platform has no attempt for (yet: a webhook can overtake the submit's answer, and the
+  job of an attempt in review whose submit stayed unknown is unmapped until a lookup or an operator
+  adopts it): 202 {"status": "parked"}. The verified body is kept whole in parked_webhook (one row
+  per webhook-id, so a repeated delivery parks nothing more) and the job is recorded as an
+  UNMAPPED orphan; the parked-webhooks service (aivedio.reconcile.parked_webhooks) applies it once
+  the job is mapped, and matches it through lookups by key of the attempts in review. A parked
+  webhook is never dropped: unmapped for good, it stays an orphan for invoice reconciliation;
 - a job whose attempt was replaced (stale fencing token): refused with 409, logged, and the job
-  recorded as an orphan for reconciliation;
-- a job the platform has no attempt for (yet: a webhook can overtake the submit's answer): 409,
-  recorded as an orphan, so the provider delivers it again later;
+  recorded as an orphan for reconciliation (the orphan-jobs service cancels or costs it);
 - a bad signature or a stale timestamp: 401; an unknown provider: 404; a malformed body: 422."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Mapping
+
+import psycopg
+from psycopg.types.json import Jsonb
 
 from aivedio.attempts.lifecycle import AttemptRef, apply_job, lock_job, record_orphan
 from aivedio.config import ConfigError
@@ -27,6 +36,12 @@ EVENT_TYPES = ("job.succeeded", "job.failed", "job.cancelled", "job.running", "j
 
 MAPPED = """select tenant_id, task_id, attempt_id, fencing_token, provider_account from task_attempt
              where provider = %s and provider_job_id = %s"""
+RECEIVED = "select 1 from webhook_receipt where provider = %s and webhook_id = %s"
+RECORD_RECEIPT = """insert into webhook_receipt (provider, webhook_id, received_at) values (%s, %s, %s)
+                    on conflict do nothing"""
+PARK = """insert into parked_webhook (provider, webhook_id, provider_job_id, event_type, body, received_at)
+          values (%(provider)s, %(webhook_id)s, %(job_id)s, %(type)s, %(body)s, %(now)s)
+          on conflict (provider, webhook_id) do nothing"""
 
 
 class CallbackRefused(DomainError):
@@ -35,7 +50,7 @@ class CallbackRefused(DomainError):
 
 @dataclass(frozen=True)
 class CallbackResult:
-    status: str  # applied | duplicate
+    status: str  # applied | duplicate | parked (answered 202)
     task_state: str | None = None
 
     def body(self) -> dict[str, Any]:
@@ -63,8 +78,7 @@ def receive(platform, provider: str, headers: Mapping[str, str], body: bytes | s
         raise InvalidRequest("malformed webhook body", {"body": str(e)}) from None
 
     def tx(conn) -> CallbackResult | tuple[str, dict | None]:
-        if conn.execute("select 1 from webhook_receipt where provider = %s and webhook_id = %s",
-                        (provider, webhook_id)).fetchone():
+        if conn.execute(RECEIVED, (provider, webhook_id)).fetchone():
             return CallbackResult("duplicate")
         row = conn.execute(MAPPED, (provider, job.id)).fetchone()
         if row is None:
@@ -73,23 +87,35 @@ def receive(platform, provider: str, headers: Mapping[str, str], body: bytes | s
             lock_job(conn, provider, job.id)
             row = conn.execute(MAPPED, (provider, job.id)).fetchone()
         if row is None:
-            record_orphan(conn, provider, job.id, None, None, "UNMAPPED", {"status": job.status, "webhook_id": webhook_id})
-            return "UNMAPPED", None
+            park(conn, provider, webhook_id, doc, job.id, now)
+            return CallbackResult("parked")
         ref = AttemptRef(row["tenant_id"], row["task_id"], row["attempt_id"], row["fencing_token"])
         applied = apply_job(conn, ref, job, source="callback", now=platform.clock.now())
         if applied.outcome == "STALE":
             return "STALE_ATTEMPT", ref.log()
-        conn.execute("insert into webhook_receipt (provider, webhook_id, received_at) values (%s, %s, %s) on conflict do nothing",
-                     (provider, webhook_id, now))
+        conn.execute(RECORD_RECEIPT, (provider, webhook_id, now))
         return CallbackResult("applied", applied.task_state)
 
     result = platform.db.transaction(tx)
     if isinstance(result, CallbackResult):
         metrics.add("webhooks_received", provider=provider, result=result.status)
+        if result.status == "parked":
+            logger.info("webhook for an unmapped job parked", extra={"provider": provider, "job_id": job.id,
+                                                                     "webhook_id": webhook_id, "type": doc["type"]})
         return result
     reason, where = result
     metrics.add("webhooks_refused", provider=provider, reason=reason)
     logger.warning("webhook refused", extra={"provider": provider, "job_id": job.id, "webhook_id": webhook_id,
                                              "reason": reason, **(where or {})})
-    raise CallbackRefused(f"job {job.id}: {'its attempt was replaced' if reason == 'STALE_ATTEMPT' else 'no attempt knows this job'}",
-                          code=reason, details={"job_id": job.id})
+    raise CallbackRefused(f"job {job.id}: its attempt was replaced", code=reason, details={"job_id": job.id})
+
+
+def park(conn: psycopg.Connection, provider: str, webhook_id: str, doc: dict, job_id: str, now: datetime) -> bool:
+    """Keep a verified webhook for a job no attempt knows yet, whole, and record the job as an
+    UNMAPPED orphan (the first webhook's job document with it). The caller holds the job's lock.
+    True when this webhook-id is new."""
+    new = conn.execute(PARK, {"provider": provider, "webhook_id": webhook_id, "job_id": job_id, "type": doc["type"],
+                              "body": Jsonb(doc), "now": now}).rowcount == 1
+    record_orphan(conn, provider, job_id, None, None, "UNMAPPED",
+                  {"status": doc["data"].get("status"), "webhook_id": webhook_id, "job": doc["data"]})
+    return new

@@ -194,13 +194,15 @@ def finish(conn: psycopg.Connection, loaded: Loaded, to_state: str, *, stage: st
 
 
 def requeue(conn: psycopg.Connection, loaded: Loaded, *, attempt_state: str, reason: str, now: datetime,
-            eligible_at: datetime) -> dict:
+            eligible_at: datetime, **task_fields: Any) -> dict:
     """Give the task back to the scheduler: this attempt is over without a provider job (a 429, or
     an absence confirmed by lookup). Its reservations are released here, once, and a new attempt
-    with a new fencing token is claimed later."""
+    with a new fencing token is claimed later. `task_fields` are further columns of the task to set
+    (a review's requeue clears the review's error code)."""
     task, attempt = loaded.task, loaded.attempt
     row = move(conn, loaded, "QUEUED", now, next_eligible_at=eligible_at, current_attempt_id=None,
-               current_fencing_token=None, selected_provider=None, selected_account=None, capacity_mode=None)
+               current_fencing_token=None, selected_provider=None, selected_account=None, capacity_mode=None,
+               **task_fields)
     ref = AttemptRef(task["tenant_id"], task["task_id"], attempt["attempt_id"], attempt["fencing_token"])
     set_attempt(conn, ref, now, state=attempt_state, final_reason=reason, lease_until=None)
     release_attempt(conn, attempt["attempt_id"], now)
@@ -243,6 +245,36 @@ def reopen_for_cancel(conn: psycopg.Connection, task: dict, attempt: dict, now: 
     set_attempt(conn, ref, now, state=state, final_reason=None, lease_until=now, cancel_sent_at=None)
     logger.info("attempt reopened for a cancel", extra={**ref.log(), "from_state": attempt["state"], "state": state})
     return state
+
+
+def reopen_adopted(conn: psycopg.Connection, loaded: Loaded, job: ProviderJob, *, source: str, now: datetime) -> Applied:
+    """A job found for an attempt in MANUAL_REVIEW (an operator's `review resolve --action adopt`,
+    or the stuck-submits service's lookup by key): go on as if the workflow's own lookup had found
+    it. The attempt is live again with its lease already expired, so the lease scanner starts a new
+    execution that polls (or cancels) it; the task leaves review for the state the job proves (or
+    CANCEL_REQUESTED when the tenant asked to cancel meanwhile); and the job's report is applied
+    by apply_job like any other, so a job that already finished finishes the task here, releasing
+    its reservations once. The caller holds the task's row lock and the job's lock (lock_job) and
+    has checked that the task is in review with this attempt current."""
+    task, attempt = loaded.task, loaded.attempt
+    ref = AttemptRef(task["tenant_id"], task["task_id"], attempt["attempt_id"], attempt["fencing_token"])
+    # SUBMIT_UNKNOWN ranks below every report, so apply_job moves the attempt to what the job says.
+    # A fresh restart budget: the person's decision is new information, the old failures are not.
+    set_attempt(conn, ref, now, state="SUBMIT_UNKNOWN", final_reason=None, lease_until=now, cancel_sent_at=None,
+                recoveries_base=attempt["recoveries"])
+    cur = load(conn, ref, lock=True)
+    assert cur is not None
+    cleared = {"error_code": None, "error_message": None}
+    if task["cancel_requested_at"] is not None:
+        move(conn, cur, "CANCEL_REQUESTED", now, **cleared)
+    elif not job.terminal:
+        move(conn, cur, "RUNNING" if job.status == "running" else "SUBMITTED", now, **cleared,
+             **({"started_at": task["started_at"] or now} if job.status == "running" else {}))
+    applied = apply_job(conn, ref, job, source=source, now=now)
+    logger.info("job adopted out of review", extra={**ref.log(), "job_id": job.id, "source": source, "status": job.status,
+                                                    "task_state": applied.task_state})
+    metrics.add("review_adopted", source=source)
+    return applied
 
 
 def cancel_stage(attempt: dict) -> str:

@@ -27,18 +27,21 @@ def restart_expired(platform, limit: int = BATCH) -> int:
                        order by lease_until limit %(limit)s for update skip locked)
                   and t.tenant_id = a.tenant_id and t.task_id = a.task_id
                   and t.current_attempt_id = a.attempt_id and t.current_fencing_token = a.fencing_token
-                returning a.tenant_id, a.task_id, a.attempt_id, a.fencing_token, a.recoveries, a.state""",
+                returning a.tenant_id, a.task_id, a.attempt_id, a.fencing_token, a.recoveries, a.recoveries_base, a.state""",
             {"until": now + lease, "now": now, "live": list(LIVE), "limit": limit},
         ).fetchall()
 
     rows = platform.db.transaction(tx)
     for r in rows:
         ref = AttemptRef(r["tenant_id"], r["task_id"], r["attempt_id"], r["fencing_token"])
-        if r["recoveries"] > platform.config.limits.max_attempt_recoveries:
+        # The budget counts from the last adoption out of review (aivedio.attempts.review), whose
+        # decision gives the attempt a fresh one; the execution names keep counting from `recoveries`.
+        spent = r["recoveries"] - r["recoveries_base"]
+        if spent > platform.config.limits.max_attempt_recoveries:
             # Its steps fail every time (a provider removed from the config, a bug): restarting it
             # again would hold its reservations forever. A person decides; the job may be live.
             to_manual_review(platform, ref, "RECOVERY_EXHAUSTED",
-                             f"the workflow was restarted {r['recoveries'] - 1} times without finishing")
+                             f"the workflow was restarted {spent - 1} times without finishing")
             continue
         name = executions.start(platform, ref, recoveries=r["recoveries"])
         metrics.add("attempts_recovered", state=r["state"])

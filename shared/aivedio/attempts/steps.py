@@ -22,7 +22,7 @@ from aivedio.attempts.lifecycle import (AttemptRef, Loaded, apply_job, finish, j
                                         renew_lease, requeue, set_attempt)
 from aivedio.metrics_catalog import SUBMIT_UNKNOWN
 from aivedio.observability import logger, metrics, publish
-from aivedio.providers.adapter import (Accepted, NotAcceptedRetryable, ProviderError, ProviderJob, RejectedFinal,
+from aivedio.providers.adapter import (Accepted, Lookup, NotAcceptedRetryable, ProviderError, ProviderJob, RejectedFinal,
                                        SubmitRequest, Unknown)
 from aivedio.providers.registry import adapter
 from aivedio.scheduling.resources import release_attempt
@@ -345,7 +345,7 @@ def resolve(platform, ref: AttemptRef, step: Step | None = None) -> Step:
     # Empty. It proves absence only inside the provider's window, and only once a request that was
     # still on its way can no longer arrive (twice the submit timeout after it was sent).
     settled = (ctx.now - sent_at).total_seconds() >= 2 * prov.timeout_seconds
-    if settled and lookup.proves_absent(age):
+    if absence_proven(platform, attempt, lookup, prov.timeout_seconds):
         def release(conn) -> Step:
             now = ctx.now
             cur = load(conn, ref, lock=True)
@@ -369,6 +369,18 @@ def resolve(platform, ref: AttemptRef, step: Step | None = None) -> Step:
         remaining = 2 * prov.timeout_seconds - (ctx.now - sent_at).total_seconds()
         return wait("resolve", max(1.0, remaining * platform.clock.time_scale), errors=errors)
     return wait("resolve", _backoff(ctx, errors + 1, ctx.timers.unknown_backoff_max_seconds), errors=errors + 1)
+
+
+def absence_proven(platform, attempt: dict, lookup: Lookup, timeout_seconds: float) -> bool:
+    """The one rule by which an empty lookup by key proves that no job exists (ch. 18.15; the
+    provider protocol's "Find by key"): the answer is empty, the key is younger than the provider's
+    idempotency window (counted from the first send, in platform seconds, the window's unit), and a
+    request that was still on its way can no longer arrive (twice the submit timeout has passed
+    since the send). The workflow's resolve step, `aivedio admin review resolve --action requeue`
+    and the stuck-submits service all decide by it."""
+    sent_at = attempt["submit_started_at"] or attempt["created_at"]
+    elapsed = (platform.clock.now() - sent_at).total_seconds()
+    return elapsed >= 2 * timeout_seconds and lookup.proves_absent(elapsed * platform.clock.time_scale)
 
 
 def _backoff(ctx: _Ctx, n: int, cap: float) -> float:
