@@ -297,3 +297,14 @@ def test_a_provider_is_a_config_entry():
         a.close()
     with pytest.raises(ValueError):
         HttpProviderAdapter(sim)
+
+
+def test_an_amount_that_would_not_fit_the_database_is_a_malformed_document():
+    from aivedio.providers.adapter import MalformedDocument, parse_job
+
+    job = {"id": "job_1", "status": "succeeded", "created_at": "2026-12-01T00:00:00Z",
+           "usage": {"seconds": "5", "cost_amount": "1000000000000", "currency": "USD"}}
+    with pytest.raises(MalformedDocument, match="out of range"):
+        parse_job(job)
+    job["usage"]["cost_amount"] = "999999999999.5"
+    assert parse_job(job).usage.cost_amount == Decimal("999999999999.5")

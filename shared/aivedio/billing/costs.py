@@ -33,6 +33,17 @@ from aivedio.billing import parked
 SOURCE = "API"  # the platform's own record of the provider's answer (callback or poll); invoices are INVOICE
 COST_EVENT_TYPE = {"SUCCEEDED": "GENERATION", "FAILED": "FAILED_CHARGE", "CANCELLED": "CANCELLATION_FEE"}
 QUANTUM = Decimal("0.00000001")  # numeric(20, 8)
+GENERATION_STAGES = ("PROVIDER_SUCCEEDED", "MEDIA_DELIVERY_FAILED")
+
+
+def cost_event_type(state: str, stage: str | None) -> str:
+    """A cost's event type from the task's terminal state and the stage it ended in: a job the provider
+    completed is GENERATION whatever became of the task after it. Shared with the invoice fixes
+    (aivedio.reconcile.invoice_items), so a cost they book has the type the platform's own record of it
+    has or will have, and the two meet on the charge key instead of both being kept. KeyError for a
+    state that is not terminal."""
+    return "GENERATION" if stage in GENERATION_STAGES else COST_EVENT_TYPE[state]
+
 
 # For each reported cost: the provider_cost_event (unless `insert_event` is false: a zero cost), the
 # attempt's actual cost unless it is set already, and what was found on the attempt, in one statement
@@ -115,7 +126,7 @@ def record_provider_costs(conn: psycopg.Connection, reports: list[CostReport]) -
         if amount == 0 and r.attempt_id is None:
             out[i] = RecordedCost("NO_COST", amount, currency)
             continue
-        cost_type = "GENERATION" if r.stage in ("PROVIDER_SUCCEEDED", "MEDIA_DELIVERY_FAILED") else COST_EVENT_TYPE[r.state]
+        cost_type = cost_event_type(r.state, r.stage)
         external = r.charge_id
         if amount != 0 and external is None:
             # No stable charge id: a conservative composite key, and reconciliation decides (ch. 20.5.5).

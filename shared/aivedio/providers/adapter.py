@@ -57,6 +57,7 @@ LINE_TYPES = ("charge", "credit_note")
 RECORDED_HEADERS = ("content-type", "retry-after", "date", "location", "x-request-id", "request-id",
                     "idempotent-replayed", "x-ratelimit-remaining", "x-ratelimit-reset")
 RAW_BODY_LIMIT = 4096  # characters of a response body kept for the record
+MAX_AMOUNT = Decimal(10) ** 12  # costs, seconds and invoice amounts are numeric(20, 8) in PostgreSQL
 MAX_RESPONSE_BYTES = 8 * 1024 * 1024  # a bigger answer is abandoned (an invoice can be long)
 META_CACHE_SECONDS = 300.0  # real seconds a /v1/meta answer is reused
 
@@ -220,6 +221,7 @@ class Invoice:
     date: date
     lines: list[InvoiceLine]
     raw: RawResponse
+    body: bytes = b""  # the document exactly as received (raw.body is truncated): what the invoice archive keeps
 
 
 class ProviderError(DomainError):
@@ -228,9 +230,10 @@ class ProviderError(DomainError):
 
     code = "PROVIDER_ERROR"
 
-    def __init__(self, message: str, raw: RawResponse, reason: str):
+    def __init__(self, message: str, raw: RawResponse, reason: str, body: bytes | None = None):
         super().__init__(message, details={"reason": reason, "status": raw.status})
         self.raw, self.reason, self.status = raw, reason, raw.status
+        self.body = body  # a malformed answer's whole body, where the caller archives it (invoices)
 
 
 class MalformedDocument(ValueError):
@@ -273,6 +276,8 @@ def _decimal(v: Any, what: str) -> Decimal:
         raise MalformedDocument(f"{what}: {v!r} is not a decimal") from None
     if not d.is_finite():
         raise MalformedDocument(f"{what}: {v!r} is not finite")
+    if abs(d) >= MAX_AMOUNT:  # it would not fit numeric(20, 8), where costs and invoice lines are kept
+        raise MalformedDocument(f"{what}: {v!r} is out of range (at most {MAX_AMOUNT - 1})")
     return d
 
 
@@ -527,10 +532,10 @@ class HttpProviderAdapter:
         try:
             return ex.json()
         except MalformedDocument as e:
-            raise ProviderError(f"{self.name} {what}: {e}", ex.raw, "malformed_response") from None
+            raise ProviderError(f"{self.name} {what}: {e}", ex.raw, "malformed_response", ex.body) from None
 
     def _malformed(self, ex: _Exchange, what: str, e: Exception) -> ProviderError:
-        return ProviderError(f"{self.name} {what}: {e}", ex.raw, "malformed_response")
+        return ProviderError(f"{self.name} {what}: {e}", ex.raw, "malformed_response", ex.body)
 
     def get(self, account_id: str, job_id: str) -> ProviderJob | None:
         ex = self._exchange("GET", f"/v1/jobs/{quote(job_id, safe='')}", account_id)
@@ -597,7 +602,7 @@ class HttpProviderAdapter:
             lines = [parse_invoice_line(x) for x in doc["lines"]]
         except MalformedDocument as e:
             raise self._malformed(ex, "invoices", e) from None
-        return Invoice(date=d, lines=lines, raw=ex.raw)
+        return Invoice(date=d, lines=lines, raw=ex.raw, body=ex.body or b"")
 
 
 def classify_submit(ex: _Exchange) -> SubmitOutcome:

@@ -17,7 +17,8 @@ What it does:
   free, running pays the cancellation fee, terminal keeps its status.
 - Webhooks to the job's callback_url, signed per Standard Webhooks, from background threads: dropped,
   duplicated (same webhook-id), delayed (so reordered), retried with backoff when refused.
-- Invoices per UTC day: a line per charge and credit note; lines may be listed twice or a day late.
+- Invoices per UTC day and account: a line per charge and credit note; lines may be listed twice or a
+  day late.
 - Each succeeded job has a real MP4 (16x16, 1 s, H.264 through PyAV's FFmpeg) at its output_url.
 - Ground truth for tests: `simulator.truth` in-process, `GET /_truth` over HTTP.
 
@@ -600,7 +601,8 @@ class Simulator:
     def meta(self) -> _Reply:
         return _Reply(200, {"idempotency_window_seconds": self.behaviour.idempotency_window_seconds})
 
-    def invoices(self, query: dict[str, list[str]]) -> _Reply:
+    def invoices(self, account_id: str, query: dict[str, list[str]]) -> _Reply:
+        """The day's lines of the account the request authenticates as (each account has its invoice)."""
         raw = query.get("date", [""])[0]
         try:
             day = date.fromisoformat(raw)
@@ -611,7 +613,8 @@ class Simulator:
         with self._lock:
             self._advance(time.monotonic())
             lines = [dict(r["line"]) for r in sorted(self._lines, key=lambda r: r["line"]["occurred_at"])
-                     if r["billed_date"] == day.isoformat() for _ in range(r["copies"])]
+                     if r["billed_date"] == day.isoformat() and r["line"]["account_id"] == account_id
+                     for _ in range(r["copies"])]
         return _Reply(200, {"lines": lines})
 
     def output(self, name: str) -> _Reply:
@@ -734,7 +737,7 @@ class _Handler(BaseHTTPRequestHandler):
         if rest == ["meta"] and method == "GET":
             return self._send(sim.meta())
         if rest == ["invoices"] and method == "GET":
-            return self._send(sim.invoices(query))
+            return self._send(sim.invoices(account, query))
         return self._send(_error(404, "NOT_FOUND", f"no route {method} {path}"))
 
     def _send(self, reply: _Reply, close: bool = False) -> None:
