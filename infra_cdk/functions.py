@@ -49,6 +49,7 @@ class FunctionProfile:
     starts_workflow: bool = False  # states:StartExecution on the attempt state machine
     provider_credentials: bool = False  # reads the provider secret: calls providers or verifies their webhooks
     submits_jobs: bool = False  # gives providers a callback URL: the API's own (AIVEDIO_API_BASE_URL)
+    archives_invoices: bool = False  # writes and reads the invoice archive (AIVEDIO_INVOICE_BUCKET, Object Lock)
 
 
 PROFILES: dict[str, FunctionProfile] = {
@@ -92,7 +93,8 @@ PROFILES: dict[str, FunctionProfile] = {
         "submits, unsettled terminals, outbox dead letters, parked webhooks, Redis index and counters, invoices",
         # It asks providers (lookups by key, invoices), so it has their credentials; a repair that
         # needs a workflow makes the attempt's lease expire, and the lease scanner starts it.
-        timeout_seconds=300, database=True, redis=True, internet=True, provider_credentials=True),
+        timeout_seconds=300, database=True, redis=True, internet=True, provider_credentials=True,
+        archives_invoices=True),
     "idempotency_purge": FunctionProfile(
         "Deletes idempotency records past their TTL, in batches", timeout_seconds=300, database=True),
     "db_migrate": FunctionProfile(

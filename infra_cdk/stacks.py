@@ -56,6 +56,20 @@ def grant_media(fn: AppFunction, bucket: s3.IBucket) -> None:
                            [RegexAppliesTo(regex=r"/^Resource::<.*Media.*\.Arn>\/.*\*$/g")]), children=True)
 
 
+def grant_invoice_archive(fn: AppFunction, bucket: s3.IBucket) -> None:
+    """The invoice reconciler archives each raw invoice under a content-addressed key, written once
+    (a conditional put, under Object Lock) and read back to compare: Put and Get on objects, no List,
+    no Delete."""
+    if not fn.profile.archives_invoices:
+        return
+    fn.role.add_to_policy(iam.PolicyStatement(actions=["s3:PutObject", "s3:GetObject"],
+                                              resources=[bucket.arn_for_objects("*")]))
+    fn.add_environment("AIVEDIO_INVOICE_BUCKET", bucket.bucket_name)
+    suppress(fn.role, ("AwsSolutions-IAM5", f"{fn.name} archives invoices under content-addressed keys "
+                                            "(<provider>/<date>/<sha256>.json) not known in advance; no List or Delete.",
+                       [RegexAppliesTo(regex=r"/^Resource::<.*Invoice.*\.Arn>\/\*$/g")]), children=True)
+
+
 class DataStack(Stack):
     def __init__(self, scope: Construct, cid: str, *, stage: StageConfig, **kwargs) -> None:
         super().__init__(scope, cid, description=f"AiVedio {stage.name}: network and state", **kwargs)
@@ -102,6 +116,7 @@ class AppStack(Stack):
             else:
                 fn.add_environment("AIVEDIO_REDIS_URL", "none")  # conservative mode: no Redis reachable
             grant_media(fn, data.buckets.media)
+            grant_invoice_archive(fn, data.buckets.invoices)
 
         migrators = [fn for fn in self.functions if fn.profile.migrates]
         if migrators:

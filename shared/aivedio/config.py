@@ -242,6 +242,12 @@ class Limits(_Strict):
     max_input_bytes: int = Field(default=200 * 1024 * 1024, gt=0)
     max_input_duration_seconds: float = Field(default=120.0, gt=0)
     outbox_backlog_reject_threshold: int = Field(default=50_000, gt=0)
+    # Platform seconds: admission answers REJECT_PLATFORM_OVERLOADED while the oldest PENDING outbox
+    # event is older than this (the bus is down or the relay stalled; ch. 18.18, 20.12.3).
+    outbox_backlog_max_age_seconds: float = Field(default=900.0, gt=0)
+    # REAL seconds an API request waits for a database connection before it answers 503 (well inside
+    # API Gateway's 29 s): with PostgreSQL down the API fails closed, and fast.
+    api_database_wait_seconds: float = Field(default=3.0, gt=0)
     outbox_max_attempts: int = Field(default=10, gt=0)  # then the event is FAILED, for an operator
     model_global_running_cap: int = Field(default=800, gt=0)
     platform_cost_per_minute: int = Field(default=10_000, gt=0)
@@ -313,8 +319,18 @@ class BillingConfig(_Strict):
     budget_reject_pct: int = Field(default=100, gt=0, le=1000)  # refuse all new work
     budget_slope_window_seconds: float = Field(default=600.0, gt=0)  # abnormal-slope breaker window
     budget_slope_max_fraction: float = Field(default=0.25, gt=0, le=1)  # of the limit reserved in one window
+    # Pricing unavailable (ch. 20.12.4): admission may price from the last price version it read, for this
+    # many platform seconds after that read, and only for a task quoted at most this many credits.
+    price_snapshot_max_age_seconds: float = Field(default=600.0, gt=0)
+    price_snapshot_max_task_amount: int = Field(default=5_000, ge=0)
     # ISO 4217 codes media costs are accounted in; an imported cost line in any other is parked
     media_cost_currencies: list[str] = Field(default_factory=lambda: ["USD", "EUR", "GBP", "JPY", "CNY"], min_length=1)
+    # Provider invoices (aivedio.reconcile.invoices, ch. 20.10), in invoice (UTC calendar) days: each run re-pulls this
+    # many days before the oldest day not yet reconciled (late or amended lines); a charged attempt waits this long
+    # for its line (PENDING_WITHIN_GRACE) before it is MISSING_EXTERNAL; amounts within the tolerance agree.
+    invoice_overlap_days: int = Field(default=3, ge=0, le=31)
+    invoice_grace_days: int = Field(default=2, ge=0, le=31)
+    invoice_amount_tolerance: str = Field(default="0.0001", pattern=r"^\d+(\.\d+)?$")  # a decimal string
 
 
 class MaintenanceService(_Strict):
@@ -437,6 +453,9 @@ class Settings(_Strict):
     # The platform media bucket: s3:// inputs are read only from its inputs/<tenant id>/ prefix. Unset:
     # s3:// inputs are refused (aivedio.media.probe).
     media_bucket: str | None = None
+    # The invoice archive (aivedio.reconcile.invoice_archive): raw provider invoices and the reconciliation
+    # reports, content-addressed and never overwritten. Unset: a directory under home (.aivedio/invoices).
+    invoice_bucket: str | None = None
     # AWS (aivedio.cloud_config): the platform config is the TOML document in this SSM parameter,
     # and the provider credentials are in this Secrets Manager secret, read once per cold start.
     config_parameter: str | None = None
@@ -485,6 +504,7 @@ def settings_from_env(environ: dict[str, str] | None = None) -> Settings:
         redis_secret_arn=get("AIVEDIO_REDIS_SECRET_ARN"),
         attempt_state_machine_arn=get("AIVEDIO_ATTEMPT_STATE_MACHINE_ARN"),
         media_bucket=get("AIVEDIO_MEDIA_BUCKET"),
+        invoice_bucket=get("AIVEDIO_INVOICE_BUCKET"),
     )
 
 

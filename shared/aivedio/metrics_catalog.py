@@ -43,12 +43,25 @@ RECONCILIATION_BREAKS = MetricSpec("ReconciliationBreaks", "Count", (), "Sum",
 MAINTENANCE_REPAIRS = MetricSpec("MaintenanceRepairs", "Count", ("service",), "Sum",
                                  "things a maintenance service repaired in one run (counter, by aivedio.reconcile.room)")
 # --- outbox and settlement repairs ---
+OUTBOX_DEAD_LETTERS = MetricSpec("OutboxDeadLetters", "Count", (), "Maximum",
+                                 "outbox events FAILED after outbox_max_attempts deliveries, waiting for "
+                                 "`aivedio admin outbox redrive` (gauge, by the outbox-dead-letters service)")
 # --- manual review and stuck submits ---
+MANUAL_REVIEW_OPEN = MetricSpec("ManualReviewOpen", "Count", (), "Maximum",
+                                "tasks in MANUAL_REVIEW, waiting for `aivedio admin review resolve` or a lookup that "
+                                "adopts their job (gauge, by the stuck-submits service each run)")
 # --- degraded modes ---
+DEGRADED_MODE = MetricSpec("DegradedMode", "Count", ("mode",), "Maximum",
+                           "1 while a degraded mode of aivedio.degraded is active (database, redis, outbox_backlog, "
+                           "provider_breaker, pricing, capacity_counters), 0 when it ends (gauge, by /healthz, the "
+                           "redis-index service and the code that notices the fault)")
 # --- invoices ---
 
 ALL: tuple[MetricSpec, ...] = (QUEUE_DEPTH_UNITS, OLDEST_WAIT_SECONDS, PROVIDER_UTILISATION, ADMISSION_REJECTIONS,
                                SUBMIT_UNKNOWN, UNRECONCILED_COST, STARVATION_INTERVENTIONS, OUTBOX_BACKLOG,
                                RECONCILIATION_BREAKS, MAINTENANCE_REPAIRS,
                                # --- further metrics, by capability ---
+                               MANUAL_REVIEW_OPEN,
+                               DEGRADED_MODE,
+                               OUTBOX_DEAD_LETTERS,
                                )

@@ -108,6 +108,9 @@ def capabilities(template: dict, fn: dict) -> set[str]:
                 kind = "s3-read" if action == "s3:GetObject" else "s3-write"
                 for r in resources:
                     text = json.dumps(r)
+                    if "BucketsInvoiceArchive" in text:  # the whole archive: content-addressed keys
+                        caps.add(f"invoices-{kind.split('-')[1]}")
+                        continue
                     assert "BucketsMedia" in text, text
                     caps.add(f"{kind}:{r['Fn::Join'][1][-1].lstrip('/').rstrip('*')}")
             else:
@@ -132,6 +135,8 @@ def expected_capabilities(stage: str, name: str, profile: FunctionProfile) -> se
         caps.add(f"start-workflow:{STAGES[stage].prefix}-attempt")
     caps |= {f"s3-read:{p}" for p in profile.media_read_prefixes}
     caps |= {f"s3-write:{p}" for p in profile.media_write_prefixes}
+    if profile.archives_invoices:
+        caps |= {"invoices-read", "invoices-write"}
     return caps
 
 

@@ -100,3 +100,18 @@ def test_network_paths_to_the_database_and_redis_follow_the_profiles(synth, stag
                 reach[key].add(sg_owner[source])
     assert reach["ProxySg"] == {n for n, p in PROFILES.items() if p.database}
     assert reach["RedisSg"] == {n for n, p in PROFILES.items() if p.redis}
+
+
+def test_only_the_maintenance_function_reaches_the_invoice_archive(synth, stage):
+    """The invoice reconciler (a maintenance service) archives raw invoices: Put and Get on the
+    archive's objects, nothing else there, and its bucket from the stack (AIVEDIO_INVOICE_BUCKET)."""
+    template = synth.template_json(stage, "App")
+    assert {n for n, p in PROFILES.items() if p.archives_invoices} == {"maintenance"}
+    for name, fn in lambdas(template).items():
+        env = fn["Properties"]["Environment"]["Variables"]
+        caps = capabilities(template, fn)
+        if name == "maintenance":
+            assert {"invoices-read", "invoices-write"} <= caps
+            assert "BucketsInvoiceArchive" in json.dumps(env["AIVEDIO_INVOICE_BUCKET"])
+        else:
+            assert not {c for c in caps if c.startswith("invoices-")} and "AIVEDIO_INVOICE_BUCKET" not in env, name

@@ -72,3 +72,8 @@ def register(sub) -> None:
 
     register_admin(admin)
     # --- further admin commands, by capability (review, outbox, queue, counters; each registers its own) ---
+    from aivedio.admin.review_cli import register as register_review  # MANUAL_REVIEW exits (issue 12)
+
+    register_review(admin)
+    from aivedio.admin import dead_letters_cli  # outbox and SQS dead letters (issue 12)
+    dead_letters_cli.register(admin)

@@ -63,3 +63,7 @@ def register(sub) -> None:
     r.add_argument("service", choices=[s.name for s in room.SERVICES])
     r.set_defaults(fn=_run_service)
     # --- further reconcile commands, by capability (each registers its own) ---
+    from aivedio.reconcile.invoice_cli import register_invoices  # provider invoices and the month close (issue 12)
+    register_invoices(reconcile)
+    from aivedio.reconcile.tasks_cli import register_reconcile_tasks  # task reconciliation (issue 12)
+    register_reconcile_tasks(reconcile)

@@ -159,9 +159,58 @@ SERVICES: tuple[Service, ...] = (
             "deletes idempotency records past their TTL", "touch a live record, or free a spent key (its task keeps it)",
             function="idempotency_purge"),
     # --- reservations, outbox dead letters, unsettled terminals (reconcile/expired_reservations.py, ...) ---
+    Service("expired-reservations", "aivedio.reconcile.expired_reservations",
+            "capacity still held by a final attempt whose task is terminal or has moved on, and credit still reserved "
+            "by a terminal task that is settled (ch. 20.7.9): released through the workflow's own CAS releases, each logged",
+            "release on lease expiry alone, or anything of an attempt that may be live at the provider (SUBMITTED, RUNNING, "
+            "SUBMIT_UNKNOWN, DISPATCHING once sent, MANUAL_REVIEW: attempt-recovery looks those up), or the credit of an "
+            "unsettled task"),
+    Service("unsettled-terminals", "aivedio.reconcile.unsettled_terminals",
+            "terminal tasks whose charge is not finalized 10 minutes after they finished (a FAILED outbox row, a message "
+            "lost or in the DLQ): settled with the same idempotent settlement, from the task's terminal outbox row or, "
+            "without one, from the task and its attempt",
+            "guess a stage the facts do not say, or settle a task again (a settled one is a REPLAY)"),
+    Service("outbox-dead-letters", "aivedio.reconcile.outbox_dead_letters",
+            "counts FAILED outbox events: the OutboxDeadLetters gauge (alarmed above 0, and when it stops coming) "
+            "and an ALERT log line",
+            "redrive them itself (a poison event would loop): `aivedio admin outbox redrive` does, audited"),
     # --- stuck submits, MANUAL_REVIEW lookups, parked webhooks, orphan jobs (reconcile/stuck_submits.py, ...) ---
+    Service("stuck-submits", "aivedio.reconcile.stuck_submits",
+            "attempts in MANUAL_REVIEW whose submit stayed unknown (SUBMIT_UNKNOWN_UNRESOLVED): looked up by their "
+            "idempotency key every 15 minutes; a job found is adopted as `admin review resolve --action adopt` does, an "
+            "absence proven inside the provider's window is requeued; publishes ManualReviewOpen",
+            "requeue without proof of absence, or resend a submit"),
+    Service("parked-webhooks", "aivedio.reconcile.parked_webhooks",
+            "webhooks parked for a job no attempt knew: applied once (by webhook-id) when the job is mapped, and "
+            "matched to attempts in review by lookups of their keys (then adopted)",
+            "drop a parked webhook: unmapped past a week it stays parked and its job an orphan for invoice reconciliation"),
+    Service("orphan-jobs", "aivedio.reconcile.orphan_jobs",
+            "provider jobs of replaced or abandoned attempts (and a second job for one key): a running one is cancelled, "
+            "a finished one's cost recorded as a provider_cost_event of its attempt, the orphan marked resolved; an "
+            "abandoned attempt whose job id was never known is looked up by its key until the job is found or its "
+            "absence proven; a provider gone from the config is left for a person",
+            "delete an orphan, call a job absent while any account failed to answer, or cancel a job a webhook named "
+            "before any attempt knew it (UNMAPPED)"),
     # --- Redis index and capacity counters (reconcile/redis_index.py, reconcile/capacity_counters.py) ---
+    Service("redis-index", "aivedio.reconcile.redis_index",
+            "each lane's Redis ring against PostgreSQL's tenants with QUEUED tasks: a lane without its index_built marker "
+            "(Redis back empty, or stale) is rebuilt, missing tenants added, tenants with nothing queued (or that the ring's "
+            "list and set disagree about) taken out and put back if queued; publishes the DegradedMode gauges",
+            "touch DRR deficits or paused turns (PostgreSQL's), or write to Redis while it is down"),
+    Service("capacity-counters", "aivedio.reconcile.capacity_counters",
+            "each resource_pool_shard counter against the sum of its ACTIVE reservations: a mismatch is an ALERT and the "
+            "capacity_counters degraded mode (conservative scheduling) until the counter, under its row lock, is reset "
+            "to the reservations, with an audit_log row (system:capacity-counters, old and new)",
+            "change a reservation: the reservations are the facts and the counter follows them"),
     # --- provider invoices (reconcile/invoices.py) ---
+    Service("invoice-reconcile", "aivedio.reconcile.invoices",
+            "each provider's invoice for yesterday (UTC) and a re-pulled overlap window, archived content-addressed, "
+            "matched by charge id, job id and idempotency key against the platform's cost events: every discrepancy an "
+            "item with evidence; only the fixes of ch. 20.10.5, each an appended cost event (source INVOICE); a day "
+            "with a failed, malformed or empty-where-charged source, or broken continuity, is INCOMPLETE; JSON and HTML "
+            "reports; publishes UnreconciledCost",
+            "accept a fuzzy candidate, update or delete a cost event, overwrite an archived document, call a day COMPLETE "
+            "that a source failed, or change a closed month (later corrections land in the next one)"),
 )
 
 
