@@ -22,10 +22,9 @@ from aivedio.config import (Limits, MaintenanceService, ManualClock, PlatformCon
                             SimulatorBehaviour, Timers)
 from aivedio.providers.simulator import SimulatorServer
 from aivedio.providers.webhooks import sign_webhook
-from aivedio.scheduling.scheduler import Scheduler
 from tests.admission_support import clear_cache, new_tenant
 from tests.billing_support import ADMIN, grant_roles
-from tests.scheduler_support import UNCAPPED, submit
+from tests.scheduler_support import UNCAPPED, claim_first, submit
 
 SECRET = "whsec_c2ltdWxhdG9yLXNlY3JldA=="
 OPERATOR, AUDITOR = "op:operator", "op:auditor"
@@ -113,13 +112,7 @@ def claim(w: World, *, budget: bool = True) -> AttemptRef:
                                                       period_start=now - timedelta(hours=1), period_end=now + timedelta(days=2),
                                                       limit_amount=Decimal("1000"), currency="USD"))
         clear_cache(p)
-    [task_id] = submit(p, t.tenant_id, t.user_id)
-    Scheduler(p).tick(5.0)
-    with p.db.connection() as conn:
-        row = conn.execute("select tenant_id, task_id, attempt_id, fencing_token from task_attempt where task_id = %s",
-                           (task_id,)).fetchone()
-    assert row is not None, "the scheduler claimed nothing"
-    return AttemptRef(row["tenant_id"], row["task_id"], row["attempt_id"], row["fencing_token"])
+    return claim_first(p, t)
 
 
 def into_review(w: World, *, sent: bool) -> AttemptRef:

@@ -132,3 +132,17 @@ def counters(conn: psycopg.Connection) -> dict[tuple[str, int], int]:
 def used(conn: psycopg.Connection, key: str) -> int:
     return int(conn.execute("select coalesce(sum(used_units), 0)::bigint as u from resource_pool_shard where resource_key = %s",
                             (key,)).fetchone()["u"])
+
+
+def claim_first(platform, tenant) -> "AttemptRef":
+    """Submit one task for `tenant`, tick the scheduler, and return the attempt it claimed."""
+    from aivedio.attempts.lifecycle import AttemptRef
+    from aivedio.scheduling.scheduler import Scheduler
+
+    [task_id] = submit(platform, tenant.tenant_id, tenant.user_id)
+    Scheduler(platform).tick(5.0)
+    with platform.db.connection() as conn:
+        row = conn.execute("select tenant_id, task_id, attempt_id, fencing_token from task_attempt where task_id = %s",
+                           (task_id,)).fetchone()
+    assert row is not None, "the scheduler claimed nothing"
+    return AttemptRef(row["tenant_id"], row["task_id"], row["attempt_id"], row["fencing_token"])

@@ -21,7 +21,7 @@ from aivedio.providers.simulator import SimulatorServer
 from aivedio.providers.webhooks import sign_webhook
 from aivedio.scheduling.scheduler import Scheduler
 from tests.admission_support import new_tenant, serve  # noqa: F401 - serve is a fixture
-from tests.scheduler_support import UNCAPPED, submit
+from tests.scheduler_support import UNCAPPED, claim_first, submit
 
 pytestmark = pytest.mark.xdist_group("attempts")
 
@@ -63,14 +63,7 @@ def world(make_platform):
 
 
 def claim_one(p) -> AttemptRef:
-    t = new_tenant(p, **UNCAPPED)
-    [task_id] = submit(p, t.tenant_id, t.user_id)
-    Scheduler(p).tick(5.0)
-    with p.db.connection() as conn:
-        row = conn.execute("select tenant_id, task_id, attempt_id, fencing_token from task_attempt where task_id = %s",
-                           (task_id,)).fetchone()
-    assert row is not None, "the scheduler claimed nothing"
-    return AttemptRef(row["tenant_id"], row["task_id"], row["attempt_id"], row["fencing_token"])
+    return claim_first(p, new_tenant(p, **UNCAPPED))
 
 
 def task_row(p, ref: AttemptRef) -> dict:

@@ -28,10 +28,9 @@ from aivedio.attempts.lifecycle import AttemptRef
 from aivedio.attempts.recovery import restart_expired
 from aivedio.auth import Caller
 from aivedio.billing.settlement import settle
-from aivedio.scheduling.scheduler import Scheduler
 from tests.admission_support import PRICE, new_tenant, serve
 from tests.integration.test_attempt_steps import world
-from tests.scheduler_support import UNCAPPED, submit
+from tests.scheduler_support import UNCAPPED, claim_first, submit
 from tests.waiting import wait_for
 
 _ = serve, world  # fixtures, imported for the tests that request them
@@ -40,13 +39,7 @@ pytestmark = pytest.mark.xdist_group("attempts")
 
 def claim_one(p) -> tuple[AttemptRef, Caller]:
     t = new_tenant(p, **UNCAPPED)
-    [task_id] = submit(p, t.tenant_id, t.user_id)
-    Scheduler(p).tick(5.0)
-    with p.db.connection() as conn:
-        row = conn.execute("select tenant_id, task_id, attempt_id, fencing_token from task_attempt where task_id = %s",
-                           (task_id,)).fetchone()
-    assert row is not None, "the scheduler claimed nothing"
-    return AttemptRef(row["tenant_id"], row["task_id"], row["attempt_id"], row["fencing_token"]), t.caller
+    return claim_first(p, t), t.caller
 
 
 def task_row(p, ref: AttemptRef) -> dict:

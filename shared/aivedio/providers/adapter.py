@@ -57,7 +57,9 @@ LINE_TYPES = ("charge", "credit_note")
 RECORDED_HEADERS = ("content-type", "retry-after", "date", "location", "x-request-id", "request-id",
                     "idempotent-replayed", "x-ratelimit-remaining", "x-ratelimit-reset")
 RAW_BODY_LIMIT = 4096  # characters of a response body kept for the record
-MAX_AMOUNT = Decimal(10) ** 12  # costs, seconds and invoice amounts are numeric(20, 8) in PostgreSQL
+# A job's cost is numeric(20, 8) in PostgreSQL. (An invoice line's amount is checked by the invoice
+# reconciler, which turns a bad line into evidence on its document rather than refusing the document.)
+MAX_AMOUNT = Decimal(10) ** 12
 MAX_RESPONSE_BYTES = 8 * 1024 * 1024  # a bigger answer is abandoned (an invoice can be long)
 META_CACHE_SECONDS = 300.0  # real seconds a /v1/meta answer is reused
 
@@ -267,7 +269,7 @@ class ProviderAdapter(Protocol):
 
 # --- parsing -------------------------------------------------------------------------------------------
 
-def _decimal(v: Any, what: str) -> Decimal:
+def _decimal(v: Any, what: str, *, bounded: bool = False) -> Decimal:
     if isinstance(v, bool) or not isinstance(v, (str, int, float)):
         raise MalformedDocument(f"{what}: expected a decimal string")
     try:
@@ -276,7 +278,7 @@ def _decimal(v: Any, what: str) -> Decimal:
         raise MalformedDocument(f"{what}: {v!r} is not a decimal") from None
     if not d.is_finite():
         raise MalformedDocument(f"{what}: {v!r} is not finite")
-    if abs(d) >= MAX_AMOUNT:  # it would not fit numeric(20, 8), where costs and invoice lines are kept
+    if bounded and abs(d) >= MAX_AMOUNT:  # it would not fit numeric(20, 8), where costs are kept
         raise MalformedDocument(f"{what}: {v!r} is out of range (at most {MAX_AMOUNT - 1})")
     return d
 
@@ -324,7 +326,7 @@ def parse_job(doc: Any) -> ProviderJob:
         if isinstance(secs, bool) or not isinstance(secs, (int, float, str)):
             raise MalformedDocument("usage.seconds: expected a number")
         usage = Usage(seconds=float(_decimal(secs, "usage.seconds")),
-                      cost_amount=_decimal(u.get("cost_amount"), "usage.cost_amount"),
+                      cost_amount=_decimal(u.get("cost_amount"), "usage.cost_amount", bounded=True),
                       currency=_str(u.get("currency"), "usage.currency"))
     output_url = doc.get("output_url")
     if output_url is not None and not isinstance(output_url, str):
