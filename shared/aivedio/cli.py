@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any, Callable
 
@@ -52,7 +53,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_env()
     if args.config:
         settings = settings.model_copy(update={"config_file": args.config})
-    return serve(settings, port=args.port, host=args.host)
+    if args.api_workers < 1:
+        raise ConfigError(f"--api-workers: {args.api_workers} (at least 1)")
+    return serve(settings, port=args.port, host=args.host, api_workers=args.api_workers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=None)
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--api-workers", type=int, default=os.cpu_count() or 1,
+                   help="processes serving the API on one port, as Lambda runs several instances (default: the core count)")
     s.set_defaults(fn=cmd_serve)
 
     db = sub.add_parser("db", help="database operations").add_subparsers(dest="db_command", required=True)

@@ -10,13 +10,15 @@ never holds up the others."""
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from aivedio.local import apigw
+from aivedio.local import apigw, prometheus
 from aivedio.local.lambda_context import FakeLambdaContext
 
 log = logging.getLogger("aivedio.local.http")
@@ -85,6 +87,9 @@ class _Handler(BaseHTTPRequestHandler):
         if body is None:
             return
         url = urlsplit(self.path)
+        served = prometheus.metrics_response(url.path, self.client_address[0]) if self.command == "GET" else None
+        if served is not None:  # this process's counters as Prometheus text, not an API route
+            return self._reply(apigw.HttpResponse(*served))
         event = apigw.to_event(
             self.command, url.path, url.query, self.headers.items(), body, source_ip=self.client_address[0]
         )
@@ -105,6 +110,8 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in resp.headers:
             if k.lower() not in ("content-length", "connection", "transfer-encoding"):
                 self.send_header(k, v)
+        # Which process answered: `aivedio serve --api-workers N` runs N of them on one port.
+        self.send_header("X-Aivedio-Worker", str(os.getpid()))
         self.send_header("Content-Length", str(len(resp.body)))
         if close:
             self.send_header("Connection", "close")
@@ -121,11 +128,20 @@ class LambdaHttpServer(ThreadingHTTPServer):
     # would pass through) overflows it and has connections reset before they reach the handler.
     request_queue_size = 1024
 
-    def __init__(self, address: tuple[str, int], lambda_handler: LambdaHandler, function_name: str = "aivedio-api"):
+    def __init__(self, address: tuple[str, int], lambda_handler: LambdaHandler, function_name: str = "aivedio-api",
+                 reuse_port: bool = False):
         self.lambda_handler = lambda_handler
         self.function_name = function_name
+        self.reuse_port = reuse_port
         self._thread: threading.Thread | None = None
         super().__init__(address, _Handler)
+
+    def server_bind(self) -> None:
+        # Several API worker processes listen on one port and the kernel spreads connections
+        # over them (aivedio.local.api_workers); set before bind, or the second bind fails.
+        if self.reuse_port:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        super().server_bind()
 
     @property
     def url(self) -> str:

@@ -177,8 +177,9 @@ class LocalRuntime:
     rt = LocalRuntime(platform, port=0); rt.start(); rt.base_url; rt.stop()."""
 
     def __init__(self, platform: Platform, port: int = 8080, host: str = "127.0.0.1", loops: list[Loop] | None = None,
-                 workflow_workers: int = 8):
+                 workflow_workers: int = 8, serve_api: bool = True):
         self.platform = platform
+        self.serve_api = serve_api  # False: API worker processes serve it (aivedio.local.api_workers)
         self.workflow_workers = workflow_workers
         self._runner = None
         self._simulators: dict = {}
@@ -210,10 +211,11 @@ class LocalRuntime:
         p.extras.setdefault("loop_status", {})
         loops = default_loops(p) if self._loops is None else self._loops
         p.extras["wake"] = {loop.name: threading.Event() for loop in loops}
-        self.server = LambdaHttpServer((self.host, self.port), load_handler(API_HANDLER), function_name="aivedio-api")
-        self.server.start()
-        if p.settings.api_base_url == Settings.model_fields["api_base_url"].default:
-            p.extras["callback_base_url"] = self.server.url  # webhooks come back to this server
+        if self.serve_api:
+            self.server = LambdaHttpServer((self.host, self.port), load_handler(API_HANDLER), function_name="aivedio-api")
+            self.server.start()
+            if p.settings.api_base_url == Settings.model_fields["api_base_url"].default:
+                p.extras["callback_base_url"] = self.server.url  # webhooks come back to this server
         self._stop.clear()
         self._threads = [_LoopThread(loop, p, self._stop, p.extras["wake"][loop.name]) for loop in loops]
         for t in self._threads:
@@ -279,13 +281,13 @@ class LocalRuntime:
         self.stop()
 
 
-def _banner(rt: LocalRuntime) -> str:
-    p, url = rt.platform, rt.base_url
+def _banner(rt: LocalRuntime, url: str, api_workers: str) -> str:
+    p = rt.platform
     redis = "disabled (conservative mode)" if p.cache is None else redact(p.cache.url)
     loops = ", ".join(f"{lp.name} every {p.clock.real_seconds(lp.interval_platform_seconds):g}s" for lp in rt.loops) or "none"
     return "\n".join([
         f"AiVedio is running (time_scale={p.clock.time_scale:g})",
-        f"  API       {url}",
+        f"  API       {url}   ({api_workers})",
         f"  health    curl {url}/healthz",
         f"  docs      {url}/swagger   (OpenAPI: {url}/openapi.json)",
         f"  database  {redact(p.db.url)}",
@@ -304,30 +306,57 @@ def _default_api_url(settings: Settings, host: str, port: int) -> Settings:
     return settings.model_copy(update={"api_base_url": f"http://{shown}:{port}"})
 
 
-def serve(settings: Settings, port: int = 8080, host: str = "127.0.0.1") -> int:
-    """Run until SIGINT/SIGTERM; then stop the loops, the server, the platform and the embedded
-    servers this process started. Returns the exit code."""
+def serve(settings: Settings, port: int = 8080, host: str = "127.0.0.1", api_workers: int = 1) -> int:
+    """Run until SIGINT/SIGTERM; then stop the API workers, the loops, the server, the platform and
+    the embedded servers this process started. Returns the exit code.
+
+    api_workers == 1: this process serves the API too, as before. api_workers > 1: this process
+    runs everything but the API, and that many worker processes serve it on host:port
+    (aivedio.local.api_workers); a worker that dies is restarted, and workers that keep dying
+    end the serve with exit code 1."""
+    from aivedio.local.api_workers import ApiWorkers, WorkerCrashLoop, reserve_port
     from aivedio.local.embedded import stop_embedded, with_embedded_servers
 
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     platform: Platform | None = None
     rt: LocalRuntime | None = None
+    workers: ApiWorkers | None = None
+    code = 0
     try:
         config = load_config(settings.config_file)
+        if api_workers > 1 and port == 0:
+            # Port 0 means a different port per process: choose one now that every worker binds.
+            with reserve_port(host, 0) as s:
+                port = s.getsockname()[1]
         settings = _default_api_url(settings, host, port)
-        platform = build_platform(with_embedded_servers(settings), config, migrate=True)
-        rt = LocalRuntime(platform, port=port, host=host)
+        settings = with_embedded_servers(settings)  # the workers get these URLs, never servers of their own
+        platform = build_platform(settings, config, migrate=True)
+        rt = LocalRuntime(platform, port=port, host=host, serve_api=api_workers <= 1)
         try:
             rt.start()
         except OSError as e:
             raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-        sys.stderr.write(_banner(rt))
+        if api_workers > 1:
+            # platform.config, not config: the one the simulators' credentials were resolved into.
+            workers = ApiWorkers(platform, settings, platform.config, host, port, api_workers).start()
+            url, shown = workers.url, f"{api_workers} API worker processes, pids {', '.join(map(str, workers.pids))}"
+        else:
+            url, shown = rt.base_url, "1 API worker: this process"
+        sys.stderr.write(_banner(rt, url, shown))
         sys.stderr.flush()
         while not stop.wait(0.5):
-            pass
+            if workers is not None:
+                try:
+                    workers.check()
+                except WorkerCrashLoop as e:
+                    log.error("%s", e)
+                    code = 1
+                    break
         log.info("stopping")
     finally:
+        if workers is not None:
+            workers.stop()
         if rt is not None:
             rt.stop()
         if platform is not None:
@@ -336,4 +365,4 @@ def serve(settings: Settings, port: int = 8080, host: str = "127.0.0.1") -> int:
         stop_embedded()
         for s, h in previous.items():
             signal.signal(s, h)
-    return 0
+    return code
