@@ -1,5 +1,6 @@
 """Structured logs (Powertools Logger, to stderr) and metrics (Powertools EMF in Lambda; the same
-figures are kept in-process locally so /healthz and reports can read them)."""
+figures are kept in-process locally so /healthz, reports and `GET /metrics` under `aivedio serve`
+can read them)."""
 from __future__ import annotations
 
 import os
@@ -10,26 +11,39 @@ from collections import defaultdict
 
 from aws_lambda_powertools import Logger
 
-from aivedio.metrics_catalog import NAMESPACE, SERVICE, MetricSpec
+from aivedio.metrics_catalog import GAUGE, NAMESPACE, SERVICE, MetricSpec
 
 logger = Logger(service="aivedio", logger_handler=__import__("logging").StreamHandler(sys.stderr))
 
 
 class LocalMetrics:
-    """Counters readable locally; in Lambda the handlers also publish them as EMF."""
+    """What publish() recorded in this process, for /healthz, reports, tests and the local
+    Prometheus endpoint (aivedio.local.prometheus). `snapshot()` keys are the spec's name plus its
+    sorted dimensions ("Claims|lane=PAID_SHARED") and sum every value published (for a gauge, the
+    sum of what each run set); `series()` keeps, per spec and dimensions, a counter's total and a
+    gauge's last value."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.counters: dict[str, float] = defaultdict(float)
+        self._series: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
 
-    def add(self, name: str, value: float = 1.0, **dims: str) -> None:
-        key = name + "".join(f"|{k}={v}" for k, v in sorted(dims.items()))
+    def record(self, spec: MetricSpec, value: float, dims: dict[str, str]) -> None:
+        items = tuple(sorted((k, str(v)) for k, v in dims.items()))
+        key = spec.name + "".join(f"|{k}={v}" for k, v in items)
         with self._lock:
             self.counters[key] += value
+            prev = self._series.get((spec.name, items), 0.0)
+            self._series[(spec.name, items)] = value if spec.kind == GAUGE else prev + value
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self.counters)
+
+    def series(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """{(spec name, ((dimension, value), ...)): a counter's total or a gauge's last value}."""
+        with self._lock:
+            return dict(self._series)
 
 
 metrics = LocalMetrics()
@@ -40,10 +54,18 @@ def in_lambda() -> bool:
 
 
 def publish(spec: MetricSpec, value: float = 1.0, **dimensions: str) -> None:
-    """One operational metric of aivedio.metrics_catalog: counted locally, and in Lambda also
-    written as a Powertools EMF document (one per call, flushed at once), which CloudWatch turns
-    into the metric the dashboard and alarms read."""
-    metrics.add(spec.name, value, **dimensions)
+    """The one way to emit a metric: a spec of aivedio.metrics_catalog, recorded locally, and in
+    Lambda also written as a Powertools EMF document (one per call, flushed at once), which
+    CloudWatch turns into the metric the dashboard and alarms read. The dimensions must be the
+    spec's own: another set would be another CloudWatch metric, one no graph or alarm reads. A call
+    with the wrong set is a bug (tests/integration/test_metrics_catalog.py finds it statically); at
+    run time it is logged and dropped, never raised, since a metric must not fail the work it counts."""
+    if set(dimensions) != set(spec.dimensions):
+        logger.error("metric dropped: wrong dimensions", extra={"metric": spec.name, "expected": list(spec.dimensions),
+                                                               "got": sorted(dimensions)})
+        return
+    dimensions = {k: str(v) for k, v in dimensions.items()}
+    metrics.record(spec, value, dimensions)
     if not in_lambda():
         return
     from aws_lambda_powertools.metrics import single_metric

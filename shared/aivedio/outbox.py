@@ -29,7 +29,8 @@ from psycopg.types.json import Jsonb
 from pydantic import BaseModel
 
 from aivedio.events import EventEnvelope
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import OUTBOX_DELIVERY_ERRORS, OUTBOX_FAILED, OUTBOX_PUBLISHED
+from aivedio.observability import logger, publish
 
 if TYPE_CHECKING:
     from aivedio.context import Platform
@@ -236,7 +237,7 @@ def relay_once(platform: Platform, deliver: Deliver, batch: int = 100, *, publis
                          "delay": retry_delay_seconds(platform, row["attempts"])},
                     )
                     if give_up:
-                        metrics.add("outbox.failed", event_type=row["event_type"])
+                        publish(OUTBOX_FAILED, event_type=row["event_type"])
                 else:
                     published.append(row["event_id"])
                     if published_types is not None:
@@ -244,9 +245,9 @@ def relay_once(platform: Platform, deliver: Deliver, batch: int = 100, *, publis
             if published:
                 cur.execute(MARK_PUBLISHED, {"ids": published})
     if published:
-        metrics.add("outbox.published", len(published))
+        publish(OUTBOX_PUBLISHED, len(published))
     if failed:
-        metrics.add("outbox.delivery_errors", failed)
+        publish(OUTBOX_DELIVERY_ERRORS, failed)
     return len(published)
 
 

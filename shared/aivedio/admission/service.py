@@ -39,8 +39,8 @@ from aivedio.billing.lots import LotsExhausted
 from aivedio.billing.reservations import InsufficientCredit, can_reserve, reserve
 from aivedio.errors import Conflict, DomainError, InvalidRequest
 from aivedio.media.probe import probe_inputs
-from aivedio.metrics_catalog import ADMISSION_REJECTIONS
-from aivedio.observability import logger, metrics, publish
+from aivedio.metrics_catalog import ADMISSIONS_ACCEPTED, ADMISSION_REJECTIONS
+from aivedio.observability import logger, publish
 from aivedio.pricing import price_book
 from aivedio.pricing.price_book import Quote
 
@@ -192,7 +192,7 @@ def admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, idem
         publish(ADMISSION_REJECTIONS, code=r.decision)
         logger.info("admission rejected", extra={"tenant_id": str(caller.tenant_id), "decision": r.decision, "reason": r.message})
         raise
-    metrics.add("admission_accepted")
+    publish(ADMISSIONS_ACCEPTED)
     return result
 
 

@@ -7,7 +7,8 @@ Each change runs in its own short transaction, never inside a task's transaction
 join a task lock and a shard lock in the opposite order of a claim."""
 from __future__ import annotations
 
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import PROVIDER_LIMIT_DECREASED
+from aivedio.observability import logger, publish
 from aivedio.scheduling.resources import account_key, set_limit
 
 _STATE = """select coalesce(sum(capacity_units), 0)::bigint as capacity,
@@ -38,7 +39,7 @@ def decrease(platform, provider: str, account: str) -> int | None:
 
     new = platform.db.transaction(tx)
     if new is not None:
-        metrics.add("provider_limit_decreased", provider=provider)
+        publish(PROVIDER_LIMIT_DECREASED, provider=provider)
         logger.info("provider account limit lowered after 429", extra={"provider": provider, "account": account, "limit": new})
     return new
 

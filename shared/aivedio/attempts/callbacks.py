@@ -27,7 +27,8 @@ from psycopg.types.json import Jsonb
 from aivedio.attempts.lifecycle import AttemptRef, apply_job, lock_job, record_orphan
 from aivedio.config import ConfigError
 from aivedio.errors import DomainError, InvalidRequest, NotFound, Unauthenticated
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import WEBHOOKS_RECEIVED, WEBHOOKS_REFUSED
+from aivedio.observability import logger, publish
 from aivedio.providers.adapter import MalformedDocument, parse_job
 from aivedio.providers.webhooks import verify_webhook
 
@@ -65,7 +66,7 @@ def receive(platform, provider: str, headers: Mapping[str, str], body: bytes | s
     if cfg.webhook_secret is None:  # the API function always has the provider secret; never accept unsigned
         raise ConfigError(f"providers.{provider}.webhook_secret: not loaded in this process")
     if not verify_webhook(cfg.webhook_secret, headers, body, now):
-        metrics.add("webhooks_refused", provider=provider, reason="signature")
+        publish(WEBHOOKS_REFUSED, provider=provider, reason="signature")
         raise Unauthenticated("webhook signature or timestamp is not valid")
     h = {k.lower(): v for k, v in headers.items()}
     webhook_id = h["webhook-id"]
@@ -98,13 +99,13 @@ def receive(platform, provider: str, headers: Mapping[str, str], body: bytes | s
 
     result = platform.db.transaction(tx)
     if isinstance(result, CallbackResult):
-        metrics.add("webhooks_received", provider=provider, result=result.status)
+        publish(WEBHOOKS_RECEIVED, provider=provider, result=result.status)
         if result.status == "parked":
             logger.info("webhook for an unmapped job parked", extra={"provider": provider, "job_id": job.id,
                                                                      "webhook_id": webhook_id, "type": doc["type"]})
         return result
     reason, where = result
-    metrics.add("webhooks_refused", provider=provider, reason=reason)
+    publish(WEBHOOKS_REFUSED, provider=provider, reason=reason)
     logger.warning("webhook refused", extra={"provider": provider, "job_id": job.id, "webhook_id": webhook_id,
                                              "reason": reason, **(where or {})})
     raise CallbackRefused(f"job {job.id}: its attempt was replaced", code=reason, details={"job_id": job.id})

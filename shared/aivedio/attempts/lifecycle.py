@@ -21,7 +21,8 @@ from psycopg.types.json import Jsonb
 
 from aivedio import outbox, tasks
 from aivedio.billing import budgets
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import ATTEMPTS_REQUEUED, REVIEW_ADOPTED, STALE_WRITES_REFUSED, TASKS_FINISHED
+from aivedio.observability import logger, publish
 from aivedio.providers.adapter import ProviderJob
 from aivedio.scheduling.resources import release_attempt
 
@@ -186,7 +187,7 @@ def finish(conn: psycopg.Connection, loaded: Loaded, to_state: str, *, stage: st
                            "provider_charged": provider_charged(job), "usage": _usage(job),
                            "output_seconds": task["duration_seconds"] if to_state == "SUCCEEDED" else 0,
                            "error_code": error_code, "finished_at": now.isoformat()})
-    metrics.add("tasks_finished", state=to_state, stage=stage)
+    publish(TASKS_FINISHED, state=to_state, stage=stage)
     logger.info("task finished", extra={"tenant_id": str(task["tenant_id"]), "task_id": str(task["task_id"]),
                                         "attempt_id": str(attempt["attempt_id"]), "state": to_state, "stage": stage,
                                         "reservations_released": len(released)})
@@ -214,7 +215,7 @@ def requeue(conn: psycopg.Connection, loaded: Loaded, *, attempt_state: str, rea
                            "queue_class": task["queue_class"], "priority_band": task["priority_band"],
                            "fairness_units": task["fairness_units"], "enqueue_at": task["enqueue_at"].isoformat(),
                            "requeued": True, "reason": reason, "next_eligible_at": eligible_at.isoformat()})
-    metrics.add("attempts_requeued", reason=reason)
+    publish(ATTEMPTS_REQUEUED, reason=reason)
     logger.info("task requeued", extra={"tenant_id": str(task["tenant_id"]), "task_id": str(task["task_id"]),
                                         "attempt_id": str(attempt["attempt_id"]), "reason": reason})
     return row
@@ -273,7 +274,7 @@ def reopen_adopted(conn: psycopg.Connection, loaded: Loaded, job: ProviderJob, *
     applied = apply_job(conn, ref, job, source=source, now=now)
     logger.info("job adopted out of review", extra={**ref.log(), "job_id": job.id, "source": source, "status": job.status,
                                                     "task_state": applied.task_state})
-    metrics.add("review_adopted", source=source)
+    publish(REVIEW_ADOPTED, source=source)
     return applied
 
 
@@ -305,7 +306,7 @@ def apply_job(conn: psycopg.Connection, ref: AttemptRef, job: ProviderJob, *, so
                          "STALE_ATTEMPT", {"status": job.status, "source": source}):
             logger.warning("report for a replaced attempt refused", extra={**ref.log(), "job_id": job.id, "source": source,
                                                                            "current_attempt_id": str(task["current_attempt_id"])})
-        metrics.add("stale_writes_refused", source=source)
+        publish(STALE_WRITES_REFUSED, source=source)
         return Applied("STALE", task["state"])
     if tasks.is_terminal(task["state"]):
         return Applied("TERMINAL", task["state"])

@@ -8,7 +8,8 @@ from __future__ import annotations
 from aivedio.attempts import executions
 from aivedio.attempts.lifecycle import LIVE, AttemptRef
 from aivedio.attempts.steps import to_manual_review
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import ATTEMPTS_RECOVERED
+from aivedio.observability import logger, publish
 
 BATCH = 200
 
@@ -44,6 +45,6 @@ def restart_expired(platform, limit: int = BATCH) -> int:
                              f"the workflow was restarted {spent - 1} times without finishing")
             continue
         name = executions.start(platform, ref, recoveries=r["recoveries"])
-        metrics.add("attempts_recovered", state=r["state"])
+        publish(ATTEMPTS_RECOVERED, state=r["state"])
         logger.warning("attempt lease expired; workflow restarted", extra={**ref.log(), "state": r["state"], "execution": name})
     return len(rows)

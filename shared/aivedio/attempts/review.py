@@ -48,7 +48,8 @@ from aivedio.admin import rbac
 from aivedio.attempts.lifecycle import (AttemptRef, Loaded, finish, load, lock_job, reopen_adopted, requeue, set_attempt)
 from aivedio.attempts.steps import absence_proven
 from aivedio.errors import DomainError, InvalidRequest, NotFound
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import REVIEW_FAILED, REVIEW_REQUEUED
+from aivedio.observability import logger, publish
 from aivedio.providers.adapter import ProviderError, ProviderJob
 from aivedio.providers.registry import UnknownProvider, adapter
 
@@ -301,7 +302,7 @@ def requeue_absent(conn: psycopg.Connection, platform, ref: AttemptRef, *, proof
     new = {**_after(conn, ref), "proof": proof, **({"orphans": orphans} if orphans else {})}
     rbac.audit(conn, operator=actor, action="review.requeue", target=f"task:{ref.task_id}", tenant_id=ref.tenant_id,
                old=old, new={**new, **({"evidence": evidence} if evidence else {})}, reason=reason)
-    metrics.add("review_requeued", proof=proof)
+    publish(REVIEW_REQUEUED, proof=proof)
     return {"action": "requeue", "task_id": str(ref.task_id), **new}
 
 
@@ -323,7 +324,7 @@ def fail_task(conn: psycopg.Connection, platform, ref: AttemptRef, *, actor: str
     new = {**_after(conn, ref), "jobs": jobs, "orphans": orphans}
     rbac.audit(conn, operator=actor, action="review.fail", target=f"task:{ref.task_id}", tenant_id=ref.tenant_id,
                old=old, new={**new, **({"evidence": evidence} if evidence else {})}, reason=reason)
-    metrics.add("review_failed")
+    publish(REVIEW_FAILED)
     return {"action": "fail", "task_id": str(ref.task_id), **new}
 
 

@@ -20,8 +20,8 @@ from aivedio import outbox, tasks
 from aivedio.attempts import aimd
 from aivedio.attempts.lifecycle import (AttemptRef, Loaded, apply_job, finish, jitter, load, move, record_orphan,
                                         renew_lease, requeue, set_attempt)
-from aivedio.metrics_catalog import SUBMIT_UNKNOWN
-from aivedio.observability import logger, metrics, publish
+from aivedio.metrics_catalog import MANUAL_REVIEWS, STALE_WRITES_REFUSED, SUBMIT_UNKNOWN, SUBMIT_UNKNOWN_RESOLVED
+from aivedio.observability import logger, publish
 from aivedio.providers.adapter import (Accepted, Lookup, NotAcceptedRetryable, ProviderError, ProviderJob, RejectedFinal,
                                        SubmitRequest, Unknown)
 from aivedio.providers.registry import adapter
@@ -118,7 +118,6 @@ def _mark_unknown(conn, loaded: Loaded, now: datetime, reason: str) -> None:
     if loaded.task["state"] == "DISPATCHING":  # a cancel request keeps its state; resolution decides
         tasks.cas_transition(conn, tenant_id=loaded.task["tenant_id"], task_id=loaded.task["task_id"],
                              from_state="DISPATCHING", version=loaded.task["version"], to_state="SUBMIT_UNKNOWN", now=now)
-    metrics.add("submit_unknown", reason=reason)
     publish(SUBMIT_UNKNOWN)
 
 
@@ -216,7 +215,7 @@ def submit(platform, ref: AttemptRef, step: Step | None = None) -> Step:
     result = ctx.tx(record)
     if result.get("outcome") == "stale":
         logger.warning("submit answer for a replaced attempt refused", extra=log)
-        metrics.add("stale_writes_refused", source="submit")
+        publish(STALE_WRITES_REFUSED, source="submit")
         if isinstance(outcome, Accepted):
             _cancel_orphan(platform, attempt, outcome.job_id)
         elif isinstance(outcome, Unknown):
@@ -301,7 +300,7 @@ def _to_manual_review(ctx: _Ctx, reason: str, message: str) -> Step:
 
     result = ctx.tx(tx)
     if result["next"] == "manual_review":
-        metrics.add("manual_review", reason=reason)
+        publish(MANUAL_REVIEWS, reason=reason)
         logger.error("ALERT attempt needs manual review", extra={**ctx.ref.log(), "reason": reason, "detail": message})
     return result
 
@@ -340,7 +339,7 @@ def resolve(platform, ref: AttemptRef, step: Step | None = None) -> Step:
 
         result = ctx.tx(adopt)
         logger.info("SUBMIT_UNKNOWN resolved: the job exists", extra={**ref.log(), "job_id": job.id, "next": result["next"]})
-        metrics.add("submit_unknown_resolved", how="found")
+        publish(SUBMIT_UNKNOWN_RESOLVED, how="found")
         return result
     # Empty. It proves absence only inside the provider's window, and only once a request that was
     # still on its way can no longer arrive (twice the submit timeout after it was sent).
@@ -359,7 +358,7 @@ def resolve(platform, ref: AttemptRef, step: Step | None = None) -> Step:
 
         result = ctx.tx(release)
         logger.info("SUBMIT_UNKNOWN resolved: no job exists", extra={**ref.log(), "outcome": result.get("outcome")})
-        metrics.add("submit_unknown_resolved", how="absent")
+        publish(SUBMIT_UNKNOWN_RESOLVED, how="absent")
         return result
     if age > _safe_window(ctx, lookup.idempotency_window_seconds):
         return _to_manual_review(ctx, "SUBMIT_UNKNOWN_UNRESOLVED",

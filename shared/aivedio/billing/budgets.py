@@ -37,7 +37,8 @@ from aivedio.auth import validate_project
 from aivedio.billing.errors import BudgetExceeded, CurrencyMismatch
 from aivedio.config import BillingConfig
 from aivedio.errors import InvalidRequest, NotFound
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import BUDGET_ALERTS, BUDGET_REFUSALS
+from aivedio.observability import logger, publish
 
 SCOPES = ("TENANT", "PROJECT", "PROVIDER_ACCOUNT", "MODEL", "REGION", "GLOBAL")
 QUANTUM = Decimal("0.00000001")
@@ -163,7 +164,7 @@ def reserve(conn: psycopg.Connection, *, scopes: list[tuple[str, str]], amount: 
         if reached and reached > b["alert_level"]:
             conn.execute("update budget_account set alert_level = %s where budget_id = %s", (reached, b["budget_id"]))
             alerts.append(f"{b['scope_type']}:{b['scope_id']}>={reached}%")
-            metrics.add("budget.alert", scope=b["scope_type"], level=str(reached))
+            publish(BUDGET_ALERTS, scope=b["scope_type"], level=str(reached))
             logger.warning("budget threshold reached", extra={**details, "threshold_pct": reached})
         conn.execute(
             """insert into budget_reservation (budget_id, tenant_id, attempt_id, task_id, business_key, amount, created_at, updated_at)
@@ -176,7 +177,7 @@ def reserve(conn: psycopg.Connection, *, scopes: list[tuple[str, str]], amount: 
 
 
 def _refused(budget: dict, why: str, details: dict) -> None:
-    metrics.add("budget.refused", scope=budget["scope_type"], reason=why)
+    publish(BUDGET_REFUSALS, scope=budget["scope_type"], reason=why)
     logger.warning("budget refused work", extra={**details, "why": why})
     raise BudgetExceeded(f"budget {details['scope']} refuses new work ({why}, {details['usage_pct']}% used)",
                          details={**details, "why": why})

@@ -19,7 +19,8 @@ from aivedio.billing import lots
 from aivedio.billing.errors import ApprovalRefused, CompensationInvalid, TaskNotFound, WalletFrozen
 from aivedio.billing.ledger import Entry, lock_wallet, post
 from aivedio.errors import Conflict, NotFound
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import COMPENSATIONS_APPLIED
+from aivedio.observability import logger, publish
 
 # Reason codes are data: a new one is a line here, reviewed like a price change.
 REASON_CODES = ("SERVICE_OUTAGE", "QUALITY_ISSUE", "DELAYED_DELIVERY", "BILLING_ERROR", "GOODWILL", "PROMOTION_MAKEGOOD")
@@ -142,7 +143,7 @@ def _apply(conn: psycopg.Connection, *, wallet: dict, case: dict, now: datetime,
         (posted.ledger_txn_id, now, case["tenant_id"], case["case_id"])).fetchone()
     rbac.audit(conn, operator=operator, action="compensation.apply", target=f"compensation:{case['case_id']}",
                tenant_id=case["tenant_id"], new={"amount": amount, "ledger_txn_id": str(posted.ledger_txn_id)})
-    metrics.add("billing.compensation_applied")
+    publish(COMPENSATIONS_APPLIED)
     logger.info("compensation applied", extra={"tenant_id": str(case["tenant_id"]), "case_id": case["case_id"], "amount": amount})
     return case
 

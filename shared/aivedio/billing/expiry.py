@@ -18,7 +18,8 @@ from uuid import UUID
 import psycopg
 
 from aivedio.billing.ledger import Entry, lock_wallet, post
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import CREDITS_EXPIRED, CREDIT_EXPIRY_FAILURES
+from aivedio.observability import logger, publish
 
 DUE_WALLETS = """
 select distinct wallet_id, tenant_id from credit_lot
@@ -55,7 +56,7 @@ def expire_wallet(conn: psycopg.Connection, *, wallet_id: UUID, tenant_id: UUID,
             conn.execute(MARK_EXPIRED, {"amount": amount, "lot_id": lot["lot_id"]})
             total += amount
     if total:
-        metrics.add("billing.credits_expired", total)
+        publish(CREDITS_EXPIRED, total)
         logger.info("credits expired", extra={"tenant_id": str(tenant_id), "wallet_id": str(wallet_id), "amount": total})
     return total
 
@@ -83,5 +84,5 @@ def sweep(platform, now: datetime | None = None, batch: int | None = None) -> di
             except psycopg.errors.CheckViolation as e:
                 failed += 1
                 logger.error("credit expiry failed for a wallet", extra={"wallet_id": str(w["wallet_id"]), "error": str(e)})
-                metrics.add("billing.expiry_failures")
+                publish(CREDIT_EXPIRY_FAILURES)
     return {"wallets": wallets, "credits_expired": expired, "failed_wallets": failed}

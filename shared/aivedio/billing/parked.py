@@ -14,7 +14,8 @@ from uuid import UUID
 import psycopg
 from psycopg.types.json import Jsonb
 
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import BILLING_PARKED
+from aivedio.observability import logger, publish
 
 INSERT_PARKED = """
 insert into billing_parked_event (dedupe_key, reason, event_type, event_id, task_id, tenant_id, attempt_id, payload, detail)
@@ -43,7 +44,7 @@ def park(conn: psycopg.Connection, *, reason: str, payload: dict, event_type: st
         "payload": Jsonb(json.loads(json.dumps(payload, default=str))), "detail": (detail or "")[:2000] or None,
     }).fetchone() is not None  # (an answer rather than a rowcount: settlement runs in pipeline mode)
     if created:
-        metrics.add("billing.parked", reason=reason)
+        publish(BILLING_PARKED, reason=reason)
         logger.warning("billing input parked for reconciliation",
                        extra={"reason": reason, "event_type": event_type, "task_id": str(task_id) if task_id else None,
                               "tenant_id": str(tenant_id) if tenant_id else None, "detail": detail})

@@ -37,7 +37,8 @@ from aivedio.billing.ledger import Entry, lock_wallet, post
 from aivedio.billing.reservations import lock_reservation
 from aivedio.config import BillingConfig
 from aivedio.errors import Conflict, InvalidRequest, NotFound
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import REFUNDS
+from aivedio.observability import logger, publish
 
 SYSTEM_OPERATOR = "system:settlement"
 _DEFAULTS = BillingConfig()  # the knobs a caller does not pass
@@ -107,14 +108,14 @@ def request_refund(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, 
         rbac.audit(conn, operator=operator, action="refund.request", target=f"task:{task_id}", tenant_id=tenant_id,
                    new={"refund_id": str(refund_id), "amount": amount, "state": "PENDING_APPROVAL",
                         "dual_approval_above": threshold, "daily_limit": limit}, reason=reason)
-        metrics.add("billing.refund_awaiting_approval")
+        publish(REFUNDS, state="awaiting_approval")
         return _describe(row)
     row = _insert(conn, refund_id, tenant_id, task_id, amount, reason, operator, request_key, "PENDING_SETTLEMENT", now)
     if not _settled(charge):
         rbac.audit(conn, operator=operator, action="refund.request", target=f"task:{task_id}", tenant_id=tenant_id,
                    new={"refund_id": str(refund_id), "amount": amount, "state": "PENDING_SETTLEMENT", "daily_limit": limit},
                    reason=reason)
-        metrics.add("billing.refund_pending")
+        publish(REFUNDS, state="pending")
         return _describe(row)
     return _describe(_apply_now(conn, operator=operator, wallet=wallet, reservation=r, charge=charge, refund=row, now=now,
                                 limit=limit))
@@ -153,7 +154,7 @@ def approve_refund(conn: psycopg.Connection, *, operator: str, refund_id: UUID, 
                new={"refund_id": str(refund_id), "amount": row["amount"], "requested_by": row["requested_by"],
                     "state": "COMPLETED" if _settled(charge) else "PENDING_SETTLEMENT", "daily_limit": limit},
                reason=row["reason"])
-    metrics.add("billing.refund_approved")
+    publish(REFUNDS, state="approved")
     if not _settled(charge):
         return _describe(row)
     return _describe(_apply_now(conn, operator=operator, wallet=wallet, reservation=r, charge=charge, refund=row, now=now,
@@ -222,7 +223,7 @@ def _take_daily_limit(conn: psycopg.Connection, *, operator: str, amount: int, n
                         ).fetchone()["n"]
     decision = {"operator": operator, "day": start.date().isoformat(), "used": used, "amount": amount, "limit": limit}
     if used + amount > limit:
-        metrics.add("billing.refund_daily_limit_refused")
+        publish(REFUNDS, state="daily_limit_refused")
         logger.warning("refund refused: operator daily limit", extra=decision)
         raise RefundDailyLimitExceeded(
             f"operator {operator} has refunded {used} of {limit} credits on {decision['day']} (UTC); {amount} more would pass it",
@@ -324,7 +325,7 @@ def _apply(conn: psycopg.Connection, *, wallet: dict, reservation: dict, refund:
         """update refund_request set state = 'COMPLETED', settle_ledger_txn_id = %s, refund_ledger_txn_id = %s, completed_at = %s
             where refund_id = %s returning *""",
         (settle_txn_id, posted.ledger_txn_id, now, refund["refund_id"])).fetchone()
-    metrics.add("billing.refund_applied")
+    publish(REFUNDS, state="applied")
     logger.info("refund applied", extra={"tenant_id": str(refund["tenant_id"]), "task_id": str(refund["task_id"]),
                                          "amount": amount, "refund_id": str(refund["refund_id"])})
     return row

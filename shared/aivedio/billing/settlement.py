@@ -40,7 +40,8 @@ from aivedio import outbox
 from aivedio.billing import budgets, contract_budgets, costs, lots, parked, policies, refunds
 from aivedio.billing.reservations import Closing, close_many, top_up
 from aivedio.db.pool import in_transaction
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import SETTLEMENTS, SETTLEMENT_ABSORBED_CREDITS, SETTLEMENT_REPLAYS
+from aivedio.observability import logger, publish
 
 EVENT_STATES = {"TaskSucceeded": "SUCCEEDED", "TaskFailed": "FAILED", "TaskCancelled": "CANCELLED"}
 SETTLED_EVENT = "TaskSettled"
@@ -267,7 +268,7 @@ def _plan(conn: psycopg.Connection, i: int, item: Terminal, ev: TerminalEvent, s
     ids["tenant_id"] = tenant_id
     if charge["finalized_at"] is not None:
         if charge["settled_outcome"] == outcome_key:
-            metrics.add("settlement.replay", via="snapshot")
+            publish(SETTLEMENT_REPLAYS, via="snapshot")
             return Settlement("REPLAY", task_id, charged=charge["final_charge_amount"], reason_code=charge["settle_reason"],
                               settle_ledger_txn_id=charge["settle_ledger_txn_id"])
         return _park(conn, "CONFLICTING_TERMINAL", detail=f"settled as {charge['settled_outcome']}, event says {outcome_key}", **ids)
@@ -368,9 +369,9 @@ def _write(conn: psycopg.Connection, plans: list[_Plan], results: list, now: dat
     for p, cost in zip(plans, recorded):
         d, tenant_id = p.decision, p.charge["tenant_id"]
         applied, rejected = refunds_done.get(p.index, (0, 0))
-        metrics.add("settlement.settled", outcome=p.state)
+        publish(SETTLEMENTS, outcome=p.state)
         if d.absorbed:
-            metrics.add("settlement.absorbed_credits", d.absorbed)
+            publish(SETTLEMENT_ABSORBED_CREDITS, d.absorbed)
         settled.append({"tenant_id": str(tenant_id), "task_id": str(p.ev.task_id),
                         "attempt_id": str(p.ev.attempt_id) if p.ev.attempt_id else None, "outcome": p.outcome_key,
                         "charged": d.amount, "released": p.released, "absorbed": d.absorbed, "policy": d.policy,

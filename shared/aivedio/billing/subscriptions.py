@@ -16,7 +16,8 @@ from aivedio.admin import rbac
 from aivedio.admin.tenants import grant_credits
 from aivedio.billing.ledger import lock_wallet
 from aivedio.errors import InvalidRequest, NotFound
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import SUBSCRIPTION_CREDITS_GRANTED
+from aivedio.observability import logger, publish
 
 DUE = """
 select wallet_id, tenant_id from wallet_subscription where active and next_grant_at <= %(now)s
@@ -70,7 +71,7 @@ def grant_wallet(conn: psycopg.Connection, *, wallet_id: UUID, tenant_id: UUID, 
         start = end
     conn.execute("update wallet_subscription set next_grant_at = %s, updated_at = now() where wallet_id = %s", (start, wallet_id))
     if granted:
-        metrics.add("billing.subscription_granted", granted)
+        publish(SUBSCRIPTION_CREDITS_GRANTED, granted)
         logger.info("subscription period granted", extra={"tenant_id": str(tenant_id), "wallet_id": str(wallet_id),
                                                           "amount": granted, "next_grant_at": start.isoformat()})
     return granted

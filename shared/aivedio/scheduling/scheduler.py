@@ -18,7 +18,8 @@ import psycopg
 from aivedio import degraded
 from aivedio.billing import budgets
 from aivedio.billing.errors import BudgetExceeded, CurrencyMismatch
-from aivedio.observability import logger, metrics
+from aivedio.metrics_catalog import CLAIMS, FIT_SCAN_SKIPS
+from aivedio.observability import logger, publish
 from aivedio.scheduling import drr, router
 from aivedio.scheduling.claim import ENTERPRISE, LENDER_KEY, Claimed, NoRoom, claim
 from aivedio.scheduling.resources import account_key, free_units, preferred_shard
@@ -239,7 +240,7 @@ class Scheduler:
                         # This user is at its own cap: its other tasks wait, the tenant's other users
                         # go on (ch. 18.5: users are isolated inside a tenant). Only tenant: keys end the turn.
                         capped_users.add(task["user_id"])
-                        metrics.add("fit_scan_skips", lane=lane, reason="user_capped")
+                        publish(FIT_SCAN_SKIPS, lane=lane, reason="user_capped")
                         continue
                     if e.tenant_bound:
                         outcome = "CAPPED"
@@ -320,7 +321,8 @@ class Scheduler:
                     self.ring.add(lane, tenant_id)
         for c in result.claims:
             view.free -= c.units if c.capacity_mode == "NORMAL" else 0
-            metrics.add("claims", lane=lane)
+        if result.claims:  # one EMF document per lane and visit, not one per claim
+            publish(CLAIMS, len(result.claims), lane=lane)
         return result
 
     def _claim_one(self, conn, task: dict, policy: dict, view: LaneView, tier: str, now, prefer: int | None = None) -> Claimed:
