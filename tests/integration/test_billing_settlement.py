@@ -362,7 +362,7 @@ def test_the_local_runtime_delivers_terminal_events_to_settlement(p, conn):
     from aivedio import events_routing
     from aivedio.local.runtime import sqs_consumer
 
-    assert events_routing.consumers()["settlement"] == ("TaskSucceeded", "TaskFailed", "TaskCancelled")
+    assert events_routing.consumers()["settlement"] == ("TaskSucceeded", "TaskFailed", "TaskCancelled", "TaskMediaIngestFailed")
     w = new_wallet(p, credits=1000)
     task = run(p, lambda c: make_task(c, w))
     run(p, lambda c: outbox.write_event(c, "TaskFailed", aggregate_type="generation_task", aggregate_id=task, tenant_id=w.tenant_id,

@@ -8,7 +8,9 @@ keeps its result, and the task succeeds and is charged as its charge policy says
 task in review goes through the same cancel path (aivedio.attempts.lifecycle.reopen_for_cancel),
 which cancels it at the provider when it can and gives it back to review when it cannot decide.
 Only a terminal task answers TASK_TERMINAL: SUCCEEDED, FAILED, CANCELLED, and MEDIA_INGEST_FAILED
-(this platform keeps no count of media retries, so it takes an ingest failure as final)."""
+(the media pipeline retries within the output version's own budget while the task stays
+MEDIA_PROCESSING, and ends it there only once that is spent: aivedio.media.pipeline). A cancel
+during the media step keeps the provider's result: the media step goes on and decides the end."""
 from __future__ import annotations
 
 from uuid import UUID

@@ -27,6 +27,8 @@ GPU_SECOND_BASE = Decimal(30)
 MEDIA_UNITS = {"480p": 1, "720p": 1, "1080p": 2, "4k": 6}  # ch. 18.5.4 transcode CPU units
 GPU_UNITS = {"480p": 0, "720p": 0, "1080p": 1, "4k": 2}
 EXPENSIVE_DURATION_SECONDS = 30
+# Every resource_class estimate() derives (an operator switches each on or off: aivedio.admin.capacity).
+RESOURCE_CLASSES = ("video-standard", "video-4k", "video-v2v")
 INPUT_KIND_BY_MODE = {"image_to_video": "image", "video_to_video": "video", "extend": "video"}
 PRIORITY_BAND = {  # (service class, interactive) -> band; P0 is kept for recovery work
     ("ENTERPRISE_RESERVED", True): 1, ("ENTERPRISE_RESERVED", False): 2,

@@ -76,7 +76,9 @@ def lane_stats(platform, lane: str, conn=None) -> LaneStats:
                     where queue_class = %s and state = 'SUCCEEDED' and finished_at > %s""",
                 (lane, now - platform.clock.delta(platform.config.timers.throughput_window_seconds)),
             ).fetchone()
-        capacity = platform.config.lanes[lane].capacity_units
+        from aivedio.admin.capacity import effective_config  # it imports this package
+
+        capacity = effective_config(platform, conn).lanes[lane].capacity_units
         # Without recent completions, assume the lane's capacity turns over once per unit-time.
         fallback = capacity / float(PROVIDER_SECOND_BASE) * platform.clock.time_scale
         measured = done["n"] >= 5
@@ -127,7 +129,8 @@ def outbox_overload(platform, state: OutboxState | None = None) -> str | None:
 
 def expected_wait_seconds(stats: LaneStats, *, tenant_weight: int, tenant_queued_units: int, tenant_active: bool, units: int) -> float:
     """Real seconds until this task could start: the lesser of the whole lane ahead at μ, and the
-    tenant's own queue at its weighted DRR share of μ."""
+    tenant's own queue at its weighted DRR share of μ. Admission computes it under the wallet lock in
+    SQL, aivedio_expected_wait (migration 0190): the same arithmetic, which a test compares."""
     mu = stats.mu_units_per_second
     if mu <= 0:
         return float("inf")

@@ -40,6 +40,40 @@ def take(platform, bucket: str, per_minute: int, cost: int = 1) -> RateDecision:
     return _take_pg(platform, bucket, per_minute, rate, cost)
 
 
+def take_all(platform, buckets: list[tuple[str, int]], cost: int = 1) -> tuple[int, RateDecision] | None:
+    """take() from each (bucket, per_minute) in order, in one Redis call (token_buckets.lua): the
+    first bucket that refuses ends it, and the ones after it are not touched, exactly as calling
+    take() for each in turn until one refuses. Returns (index, decision) of the refusal, or None
+    when every bucket gave. Without Redis each bucket is taken from PostgreSQL in turn."""
+    for n, (_, per_minute) in enumerate(buckets):
+        if per_minute <= 0:  # refuses without a call, after the buckets before it gave
+            refused = take_all(platform, buckets[:n], cost) if n else None
+            return refused or (n, RateDecision(False, 60))
+    if not buckets:
+        return None
+    scale = platform.clock.time_scale
+    if platform.cache is not None:
+        cache = platform.cache
+        args: list = [cost]
+        for _, per_minute in buckets:
+            args += [per_minute, _refill_per_ms(per_minute, scale)]
+        try:
+            index, retry_ms = cache.run(cache.script("token_buckets"), keys=[cache.key("rate", b) for b, _ in buckets], args=args)
+            index = int(index)
+            return None if index == 0 else (index - 1, RateDecision(False, math.ceil(int(retry_ms) / 1000)))
+        except CacheUnavailable as e:
+            from aivedio import degraded
+
+            degraded.redis_down(platform, str(e))
+            if due("rate-limit-redis-down", WARN_EVERY_SECONDS):
+                logger.warning("redis unavailable for rate limit; using PostgreSQL bucket", extra={"bucket": buckets[0][0], "error": str(e)})
+    for n, (bucket, per_minute) in enumerate(buckets):
+        d = _take_pg(platform, bucket, per_minute, _refill_per_ms(per_minute, scale), cost)
+        if not d.allowed:
+            return n, d
+    return None
+
+
 def _take_pg(platform, bucket: str, capacity: int, rate_per_ms: float, cost: int) -> RateDecision:
     def fn(conn):
         conn.execute(

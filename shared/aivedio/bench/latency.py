@@ -254,7 +254,8 @@ def bench_latency(admin_url: str, redis_url: str | None, *, seconds: float = 10.
         p = build_platform(settings, config, pool_size=16)
         try:
             keys = [create_tenant(p, name=f"lat-{i}", service_class="PAID_SHARED", weight=1, credits=10**12,
-                                  policy_overrides={**OPEN_LIMITS, **RUNNING_LIMITS}).api_key for i in range(tenants)]
+                                  policy_overrides={**OPEN_LIMITS, **RUNNING_LIMITS},
+                                  trusted=True).api_key for i in range(tenants)]  # open limits on purpose
             with _quiet(), LocalRuntime(p, port=0) as rt:
                 intervals = {loop.name: p.clock.real_seconds(loop.interval_platform_seconds) for loop in rt.loops}
                 # 1. admission to submit, at a fixed rate the open account never binds.

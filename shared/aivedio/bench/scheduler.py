@@ -325,6 +325,8 @@ class _PickEnv:
         self.refills += 1
         with p.db.connection() as conn:
             seed_tasks(conn, 1, units=p.config.scheduler.base_quantum, key=f"r{self.refills}", tenant_id=tenant)
+        # The arrival's queue indexer: a visit that claims a tenant's last task takes it off the ring.
+        self.sched.ring.add(LANE, tenant)
 
     def summary(self) -> dict:
         us = [t * 1e6 for t in self.total]
@@ -347,9 +349,11 @@ def _pick_env(stack, admin_url: str, redis_url: str | None, tenants: int) -> _Pi
     return _PickEnv(p, tenants, setup_s, ring_s)
 
 
-def bench_pick_cost(admin_url: str, redis_url: str | None, *, sizes=(10, 1000, 100_000), picks: int = 400, warm: int = 50) -> dict:
+def bench_pick_cost(admin_url: str, redis_url: str | None, *, sizes=(10, 1000, 100_000), picks: int = 400, warm: int = 50,
+                    rounds: int = 3) -> dict:
     """Every size is set up first, then the picks are interleaved (one at each size in turn), so
-    whatever else the machine does at a moment weighs on every size alike."""
+    whatever else the machine does at a moment weighs on every size alike. The picks are `rounds`
+    consecutive rounds; each ratio is the median of the rounds' ratios, their spread beside it."""
     from contextlib import ExitStack
 
     use_redis = redis_url is not None
@@ -364,14 +368,34 @@ def bench_pick_cost(admin_url: str, redis_url: str | None, *, sizes=(10, 1000, 1
                 counts = db_counts(conn)
             results[str(env.tenants)] = {"tenants": env.tenants, "setup_seconds": env.setup_s, "ring_rebuild_seconds": env.ring_s,
                                          **env.summary(), "db": counts}
+        small_env = next(e for e in envs if e.tenants == min(sizes))
+        large_env = next(e for e in envs if e.tenants == max(sizes))
+        per_round = _pick_rounds(small_env.total, large_env.total, rounds)
     small, large = results[str(min(sizes))], results[str(max(sizes))]
-    ratios = {f"median_{large['tenants']}_vs_{small['tenants']}": round(large["median_us"] / small["median_us"], 3),
-              f"p90_{large['tenants']}_vs_{small['tenants']}": round(large["p90_us"] / small["p90_us"], 3)}
+    name = f"{large['tenants']}_vs_{small['tenants']}"
+    ratios = {f"median_{name}": per_round["median"]["median"], f"p90_{name}": per_round["p90"]["median"]}
     return {"definition": ("one pick = Ring.next (Redis LMOVE, or the PostgreSQL ring without Redis) + Scheduler.visit that "
                            "claims exactly one task; every tenant has weight 1 and exactly one queued task of quantum units "
                            "(replaced, untimed, after its claim); LaneView refresh not included; sizes interleaved pick by pick"),
             "ring": "redis" if use_redis else "postgresql", "warm_up_picks": warm, "sizes": results, "ratios": ratios,
+            "ratio_spread": {f"median_{name}": per_round["median"], f"p90_{name}": per_round["p90"]}, "rounds": rounds,
             "target_ratio_max": 1.5}
+
+
+def _pick_rounds(small: list[float], large: list[float], rounds: int) -> dict:
+    """The median and p90 ratios (large over small) of each of `rounds` consecutive chunks of picks."""
+    from aivedio.bench.rounds import spread
+
+    n = len(small)
+    cuts = [(n * i // rounds, n * (i + 1) // rounds) for i in range(rounds)]
+    med, p90 = [], []
+    for a, b in cuts:
+        s, lg = small[a:b], large[a:b]
+        if not s or not lg:
+            continue
+        med.append(statistics.median(lg) / statistics.median(s))
+        p90.append(_pct(lg, 0.9) / _pct(s, 0.9))
+    return {"median": spread(med), "p90": spread(p90)}
 
 
 # -- 3. claim rate against queue depth -----------------------------------------------------------------
@@ -396,10 +420,13 @@ def _depth_env(stack, admin_url: str, redis_url: str | None, *, tenants: int, qu
 
 
 def bench_queue_depth(admin_url: str, redis_url: str | None, *, tenants: int = 1000, small: int = 10_000,
-                      large: int = 1_000_000, claims: int = 1500, budget: float = 0.25) -> dict:
+                      large: int = 1_000_000, claims: int = 1500, budget: float = 0.25, rounds: int = 3) -> dict:
     """One scheduler process per setting, same tenants and config. Ticks of `budget` seconds
-    alternate between the two settings until each has made at least `claims` claims."""
+    alternate between the two settings until each has made at least `claims` claims, in `rounds`
+    rounds of claims / rounds each; the ratio is the median of the rounds' ratios."""
     from contextlib import ExitStack
+
+    from aivedio.bench.rounds import spread
 
     with ExitStack() as stack:
         envs = [_depth_env(stack, admin_url, redis_url, tenants=tenants, queued=q) for q in (small, large)]
@@ -407,18 +434,14 @@ def bench_queue_depth(admin_url: str, redis_url: str | None, *, tenants: int = 1
             e["sched"].tick(budget)  # warm-up (connections, prepared statements, caches): one tick, not a drain
             with e["p"].db.connection() as conn:
                 e["at_go"] = db_counts(conn)["attempts"]
-        while any(e["claims"] < claims for e in envs):
-            for e in envs:
-                if e["claims"] >= claims:
-                    continue
-                t0 = time.perf_counter()
-                r = e["sched"].tick(budget)
-                e["seconds"] += time.perf_counter() - t0
-                e["claims"], e["visits"] = e["claims"] + r.claims, e["visits"] + r.visits
-                # A short tick on a busy machine can end before its first claim; many in a row cannot.
-                e["empty"] = 0 if r.claims else e.get("empty", 0) + 1
-                if e["empty"] >= MAX_EMPTY_TICKS:
-                    raise RuntimeError("the scheduler stopped claiming before the benchmark's claim count")
+        per_round: list[float | None] = []
+        for rnd in range(1, rounds + 1):
+            goal = -(-claims * rnd // rounds)
+            start = [(e["claims"], e["seconds"]) for e in envs]
+            _depth_round(envs, goal, budget)
+            rates = [(e["claims"] - c0) / (e["seconds"] - s0) if e["seconds"] > s0 else None
+                     for e, (c0, s0) in zip(envs, start)]
+            per_round.append(rates[1] / rates[0] if rates[0] and rates[1] else None)
         out = {}
         for name, e in zip(("small", "large"), envs):
             with e["p"].db.connection() as conn:
@@ -429,33 +452,57 @@ def bench_queue_depth(admin_url: str, redis_url: str | None, *, tenants: int = 1
                          "measured_in_db": {"attempts": after["attempts"] - e["at_go"]}, "db_after": after}
     return {"definition": (f"one scheduler process per setting, {tenants} tenants of weight 1, same config; ticks of {budget}s "
                            f"alternate between the settings until each has at least {claims} claims"),
-            **out, "ratio_large_vs_small": round(out["large"]["claims_per_second"] / out["small"]["claims_per_second"], 3),
+            **out, "ratio_large_vs_small": spread(per_round)["median"], "ratio_spread": spread(per_round), "rounds": rounds,
+            "ratio_whole_run": round(out["large"]["claims_per_second"] / out["small"]["claims_per_second"], 3),
             "target_ratio_min": 0.8}
+
+
+def _depth_round(envs: list[dict], goal: int, budget: float) -> None:
+    """Alternate ticks between the settings until each has made `goal` claims in all."""
+    while any(e["claims"] < goal for e in envs):
+        for e in envs:
+            if e["claims"] >= goal:
+                continue
+            t0 = time.perf_counter()
+            r = e["sched"].tick(budget)
+            e["seconds"] += time.perf_counter() - t0
+            e["claims"], e["visits"] = e["claims"] + r.claims, e["visits"] + r.visits
+            # A short tick on a busy machine can end before its first claim; many in a row cannot.
+            e["empty"] = 0 if r.claims else e.get("empty", 0) + 1
+            if e["empty"] >= MAX_EMPTY_TICKS:
+                raise RuntimeError("the scheduler stopped claiming before the benchmark's claim count")
 
 
 # -- all three, beside pgbench --------------------------------------------------------------------------
 
 def bench_scheduler(admin_url: str, redis_url: str | None, *, workers: int, seconds: float,
-                    pgbench_clients: int | None = None) -> dict:
-    """All four, the first beside pgbench's tpcb-like TPS measured just before it on the same server.
-    The load average is recorded at each step: other work on the machine moves every figure."""
+                    pgbench_clients: int | None = None, rounds: int = 3) -> dict:
+    """All four: claims/s in `rounds` alternating rounds with pgbench's tpcb-like TPS on the same
+    server (the ratio their median), then pick cost and queue depth in rounds of their own, then
+    latency. The load average is recorded at each step: other work on the machine moves every figure."""
     import os
 
-    from aivedio.bench.pgbench import run_pgbench
+    from aivedio.bench.pgbench import pgbench_database, run_on
+    from aivedio.bench.rounds import alternate, spread
 
     load = {"start": os.getloadavg()[0]}
     clients = pgbench_clients or workers
-    pg = run_pgbench(admin_url, clients=clients, seconds=seconds)
-    load["after_pgbench"] = os.getloadavg()[0]
-    claims = bench_claims(admin_url, redis_url, workers=workers, seconds=seconds)
+    with pgbench_database(admin_url) as pg_url:
+        got = alternate(lambda i: bench_claims(admin_url, redis_url, workers=workers, seconds=seconds),
+                        lambda i: run_on(admin_url, pg_url, clients=clients, seconds=seconds),
+                        rounds=rounds, figure=lambda r: r.get("claims_per_second"), baseline_figure=lambda r: r.get("tps"))
     load["after_claims"] = os.getloadavg()[0]
-    ratio = round(claims["claims_per_second"] / pg["tps"], 3) if pg.get("tps") and claims["claims_per_second"] else None
-    report = {"claims": {**claims, "baseline_pgbench_tpcb_like": pg, "ratio_vs_pgbench": ratio, "target_ratio": 0.5},
+    last = got["rounds"][-1]
+    report = {"claims": {**last["bench"], "baseline_pgbench_tpcb_like": last["baseline"],
+                         "ratio_vs_pgbench": got["ratio"]["median"], "ratio_spread": got["ratio"], "target_ratio": 0.5,
+                         "claims_per_second_rounds": spread([r["bench"].get("claims_per_second") for r in got["rounds"]], 1),
+                         "pgbench_tps_rounds": spread([r["baseline"].get("tps") for r in got["rounds"]], 1),
+                         "rounds_note": "the other figures are the last round's"},
               "setup_note": ("tasks are bulk-inserted QUEUED rows (INSERT ... SELECT generate_series), not admitted: no wallets, "
                              "credit reservations or charges, which the scheduler never reads")}
-    report["pick_cost"] = bench_pick_cost(admin_url, redis_url)
+    report["pick_cost"] = bench_pick_cost(admin_url, redis_url, rounds=rounds)
     load["after_pick_cost"] = os.getloadavg()[0]
-    report["queue_depth"] = bench_queue_depth(admin_url, redis_url)
+    report["queue_depth"] = bench_queue_depth(admin_url, redis_url, rounds=rounds)
     load["after_queue_depth"] = os.getloadavg()[0]
     from aivedio.bench.latency import bench_latency
 

@@ -201,3 +201,22 @@ def bench_settlement(admin_url: str, *, workers: int, seconds: float, tenants: i
             # Warm-up batches are settled too: the database holds the measured ones plus one batch per worker.
             "checked_in_db": {"settles": check["settles"], "finalized": check["finalized"], "cost_events": check["cost_events"],
                               "expected": settled + workers * BATCH, "wallets_off_ledger": check["wallets_off"]}}
+
+
+def bench_settlement_rounds(admin_url: str, *, workers: int, seconds: float, rounds: int = 3) -> dict:
+    """bench_settlement, then pgbench tpcb-like with as many clients on the same server, `rounds`
+    times; the ratio is the median of the rounds' ratios, its spread beside it. The other figures
+    are the last round's."""
+    from aivedio.bench.pgbench import pgbench_database, run_on
+    from aivedio.bench.rounds import alternate, spread
+
+    with pgbench_database(admin_url) as pg_url:
+        got = alternate(lambda i: bench_settlement(admin_url, workers=workers, seconds=seconds),
+                        lambda i: run_on(admin_url, pg_url, clients=workers, seconds=seconds),
+                        rounds=rounds, figure=lambda r: r.get("settlements_per_second"), baseline_figure=lambda r: r.get("tps"))
+    last = got["rounds"][-1]
+    return {**last["bench"], "baseline_pgbench_tpcb_like": last["baseline"], "ratio_vs_pgbench": got["ratio"]["median"],
+            "ratio_spread": got["ratio"], "target_ratio": 0.5, "rounds": rounds,
+            "settlements_per_second_rounds": spread([r["bench"].get("settlements_per_second") for r in got["rounds"]], 1),
+            "pgbench_tps_rounds": spread([r["baseline"].get("tps") for r in got["rounds"]], 1),
+            "rounds_note": "the other figures are the last round's"}

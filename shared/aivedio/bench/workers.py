@@ -1,6 +1,24 @@
 """What every benchmark does with its worker processes once the measurement is over."""
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+
+
+@contextmanager
+def quiet_children():
+    """Worker processes started inside this block write their stderr to /dev/null: they log a line
+    per admission, as the API does, and a terminal flooded with them would be measured too. A worker
+    that fails reports its error to the parent over its queue, as every benchmark's workers do."""
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
 
 def join_or_kill(procs, timeout: float = 30) -> None:
     """Wait for each worker to finish; kill one that does not within `timeout` seconds."""

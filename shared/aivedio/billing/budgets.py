@@ -149,16 +149,11 @@ def reserve(conn: psycopg.Connection, *, scopes: list[tuple[str, str]], amount: 
         if conn.execute("select 1 from budget_reservation where business_key = %s", (key,)).fetchone():
             reserved.append(b["budget_id"])
             continue
+        why, details = refusal_of(conn, b, amount=amount, currency=currency, window_start=window_start, config=config,
+                                  costly=costly, low_priority=low_priority)
+        if why is not None:
+            _refused(b, why, details)
         pct = usage_pct(b, amount)
-        details = {"budget_id": str(b["budget_id"]), "scope": f"{b['scope_type']}:{b['scope_id']}",
-                   "usage_pct": str(pct.quantize(Decimal("0.01")) if pct.is_finite() else pct), "currency": currency}
-        if pct > config.budget_reject_pct:
-            _refused(b, "REJECT", details)
-        if pct >= config.budget_restrict_pct and (costly or low_priority):
-            _refused(b, "RESTRICT", details)
-        recent = Decimal(conn.execute(WINDOW_RESERVED, (b["budget_id"], window_start)).fetchone()["n"]) + amount
-        if recent > Decimal(b["limit_amount"]) * Decimal(str(config.budget_slope_max_fraction)):
-            _refused(b, "SLOPE_BREAKER", {**details, "window_reserved": str(recent)})
         reached = max([t for t in (config.budget_alert_pct, config.budget_restrict_pct) if pct >= t], default=0)
         level = max(level, reached)
         if reached and reached > b["alert_level"]:
@@ -174,6 +169,44 @@ def reserve(conn: psycopg.Connection, *, scopes: list[tuple[str, str]], amount: 
                      "where budget_id = %s", (amount, now, b["budget_id"]))
         reserved.append(b["budget_id"])
     return BudgetCheck(level, tuple(reserved), tuple(alerts))
+
+
+def refusal_of(conn: psycopg.Connection, b: dict, *, amount: Decimal, currency: str, window_start: datetime,
+               config: BillingConfig, costly: bool, low_priority: bool) -> tuple[str | None, dict]:
+    """Whether budget `b` refuses a reservation of `amount`: (REJECT | RESTRICT | SLOPE_BREAKER, details),
+    or (None, details). The one statement of the rule: reserve() and would_refuse() both ask it."""
+    pct = usage_pct(b, amount)
+    details = {"budget_id": str(b["budget_id"]), "scope": f"{b['scope_type']}:{b['scope_id']}",
+               "usage_pct": str(pct.quantize(Decimal("0.01")) if pct.is_finite() else pct), "currency": currency}
+    if pct > config.budget_reject_pct:
+        return "REJECT", details
+    if pct >= config.budget_restrict_pct and (costly or low_priority):
+        return "RESTRICT", details
+    recent = Decimal(conn.execute(WINDOW_RESERVED, (b["budget_id"], window_start)).fetchone()["n"]) + amount
+    if recent > Decimal(b["limit_amount"]) * Decimal(str(config.budget_slope_max_fraction)):
+        return "SLOPE_BREAKER", {**details, "window_reserved": str(recent)}
+    return None, details
+
+
+def would_refuse(conn: psycopg.Connection, *, scopes: list[tuple[str, str]], amount: Decimal, currency: str, now: datetime,
+                 config: BillingConfig, costly: bool = False, low_priority: bool = False) -> dict | None:
+    """What reserve() would refuse, read without a lock or a write (aivedio.scheduling.why_waiting):
+    the refusing budget's details with `why`, or None when every budget of `scopes` takes `amount`."""
+    amount = Decimal(amount).quantize(QUANTUM)
+    if not scopes:
+        return None
+    rows = conn.execute(BUDGETS_OF_SCOPES + " order by budget_id",
+                        {"types": [s for s, _ in scopes], "ids": [i for _, i in scopes], "now": now}).fetchall()
+    mine = [b for b in rows if b["currency"] == currency]
+    if {(b["scope_type"], b["scope_id"]) for b in rows} - {(b["scope_type"], b["scope_id"]) for b in mine}:
+        return {"scope": "", "why": "CURRENCY_MISMATCH", "currency": currency}  # reserve()'s CurrencyMismatch names no scope
+    window_start = now - timedelta(seconds=config.budget_slope_window_seconds)
+    for b in mine:
+        why, details = refusal_of(conn, b, amount=amount, currency=currency, window_start=window_start, config=config,
+                                  costly=costly, low_priority=low_priority)
+        if why is not None:
+            return {**details, "why": why}
+    return None
 
 
 def _refused(budget: dict, why: str, details: dict) -> None:
@@ -258,15 +291,18 @@ LOW_PRIORITY_BAND = 4  # P4 (best-effort work) is what a budget at its restrict 
 IN_FORCE = "select exists(select 1 from budget_account where period_start <= %s and period_end > %s) as e"
 
 
-def in_force(platform) -> bool:
+def in_force(platform, conn=None) -> bool:
     """Whether any budget is in force, cached for a moment per process: with none (the usual
-    case) admission and the claim pay nothing for budgets."""
+    case) admission and the claim pay nothing for budgets. `conn`: the caller's transaction, read
+    on when the cache is stale (a claim holding shard locks must not wait for the pool)."""
+    from contextlib import nullcontext
+
     from aivedio.admission.queue_stats import cached
 
     def load() -> bool:
         now = platform.clock.now()
-        with platform.db.connection() as conn:
-            return bool(conn.execute(IN_FORCE, (now, now)).fetchone()["e"])
+        with (nullcontext(conn) if conn is not None else platform.db.connection()) as c:
+            return bool(c.execute(IN_FORCE, (now, now)).fetchone()["e"])
 
     return cached(platform, "budgets_in_force", load)
 

@@ -175,6 +175,21 @@ def _wallet_unfreeze(args) -> int:
                                                           now=p.clock.now(), reason=args.reason))
 
 
+def _wallet_partition(args) -> int:
+    from aivedio.billing import allowances
+
+    return _run(args, lambda p, c: allowances.partition(c, operator=_operator(args), tenant_id=args.tenant_id,
+                                                        slots=args.slots, chunk_amount=args.chunk_amount,
+                                                        fast_max_units=args.fast_max_units, reason=args.reason))
+
+
+def _wallet_unpartition(args) -> int:
+    from aivedio.billing import allowances
+
+    return _run(args, lambda p, c: allowances.unpartition(c, operator=_operator(args), tenant_id=args.tenant_id,
+                                                          reason=args.reason))
+
+
 def _ledger_reverse(args) -> int:
     from aivedio.billing.corrections import reverse
 
@@ -282,6 +297,9 @@ def register_admin(admin) -> None:
     g.add_argument("--grantee", required=True)
     g.add_argument("--role", required=True, choices=list(rbac.ROLES))
     g.set_defaults(fn=_operator_grant)
+    from aivedio.admin.operators_cli import register_operator_commands  # create|rotate|revoke|list (issue 16)
+
+    register_operator_commands(op)
 
     refund = admin.add_parser("refund", help="refunds of settled charges").add_subparsers(dest="refund_command", required=True)
     c = _common(refund.add_parser("create", help="refund part or all of a task's settled charge (above the threshold it "
@@ -336,6 +354,21 @@ def register_admin(admin) -> None:
     wu.add_argument("--wallet-id", required=True, type=UUID)
     wu.add_argument("--reason", required=True)
     wu.set_defaults(fn=_wallet_unfreeze)
+    from aivedio.billing import allowances
+
+    wp = _common(wallet.add_parser("partition", help="a hot wallet: spend allowances carved into slots, so a tenant's "
+                                                     "users admit without queueing on one wallet row (ch. 20.11.4)"))
+    wp.add_argument("--tenant-id", required=True, type=UUID)
+    wp.add_argument("--slots", type=int, default=allowances.DEFAULT_SLOTS, help="2 to 256; each user admits through one")
+    wp.add_argument("--chunk-amount", required=True, type=int, help="credits a slot is refilled with at a time")
+    wp.add_argument("--fast-max-units", type=int, default=allowances.DEFAULT_FAST_MAX_UNITS,
+                    help="a task with more fairness units takes the merged path")
+    wp.add_argument("--reason", default=None)
+    wp.set_defaults(fn=_wallet_partition)
+    wn = _common(wallet.add_parser("unpartition", help="every allowance back to its lots; one wallet row again"))
+    wn.add_argument("--tenant-id", required=True, type=UUID)
+    wn.add_argument("--reason", default=None)
+    wn.set_defaults(fn=_wallet_unpartition)
 
     ledger = admin.add_parser("ledger", help="ledger corrections").add_subparsers(dest="ledger_command", required=True)
     lr = _common(ledger.add_parser("reverse", help="append a reversal (ADJUST with reversal_of) of a GRANT/COMPENSATE/EXPIRE/ADJUST"))

@@ -49,7 +49,8 @@ def reverse(conn: psycopg.Connection, *, operator: str, ledger_txn_id: UUID, rea
             m = moves.setdefault(e.lot_id, {"AVAILABLE": 0, "RESERVED": 0, "EXPIRED": 0})
             m[e.bucket] += e.amount_delta
     for lot_id, m in moves.items():
-        lot = conn.execute("select * from credit_lot where lot_id = %s for update", (lot_id,)).fetchone()
+        # NO KEY: a committing slot admission (billing.allowances) holds the lot in key-share mode
+        lot = conn.execute("select * from credit_lot where lot_id = %s for no key update", (lot_id,)).fetchone()
         if lot["remaining_amount"] + m["AVAILABLE"] < 0 or lot["reserved_amount"] + m["RESERVED"] < 0 \
                 or lot["expired_amount"] + m["EXPIRED"] < 0:
             raise CorrectionRefused(f"lot {lot_id} no longer holds the credit to reverse (spent or reserved since)")

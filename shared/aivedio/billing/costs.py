@@ -13,8 +13,10 @@ Report. Over a period: every provider cost (failed, cancelled and duplicate atte
 spread over the successful, delivered videos: cost per successful video, per successful second and
 per playable minute; the duplicate-generation cost rate (cost of billed attempts that did not
 deliver a task that another attempt delivered, and of costs mapped to no attempt, over all provider
-cost); and media costs (imported from the cloud's cost reports by aivedio.billing.media_costs) by
-tenant and kind."""
+cost); and media costs by tenant and kind: imported from the cloud's cost reports
+(aivedio.billing.media_costs), and each task's worker time and stored bytes as the media pipeline
+records them (aivedio.media.pipeline), with the media cost and the all-in cost (provider and media)
+per successful video."""
 from __future__ import annotations
 
 import hashlib
@@ -31,7 +33,9 @@ import psycopg
 from aivedio.billing import parked
 
 SOURCE = "API"  # the platform's own record of the provider's answer (callback or poll); invoices are INVOICE
-COST_EVENT_TYPE = {"SUCCEEDED": "GENERATION", "FAILED": "FAILED_CHARGE", "CANCELLED": "CANCELLATION_FEE"}
+# MEDIA_INGEST_FAILED: the provider completed the job, the platform could not deliver it.
+COST_EVENT_TYPE = {"SUCCEEDED": "GENERATION", "FAILED": "FAILED_CHARGE", "CANCELLED": "CANCELLATION_FEE",
+                   "MEDIA_INGEST_FAILED": "GENERATION"}
 QUANTUM = Decimal("0.00000001")  # numeric(20, 8)
 GENERATION_STAGES = ("PROVIDER_SUCCEEDED", "MEDIA_DELIVERY_FAILED")
 
@@ -307,6 +311,7 @@ def cost_report(conn: psycopg.Connection, *, start: datetime, end: datetime, pro
             "duplicate_generation_cost_rate": _ratio(p["duplicate_cost"], provider_cost) if p else None,
             "media_cost": str(media_cost),
             "media_by_tenant": {t: {k: str(v) for k, v in sorted(kinds.items())} for t, kinds in sorted(m["by_tenant"].items())} if m else {},
+            "media_cost_per_successful_video": _ratio(media_cost, videos),
             "all_in_cost_per_successful_video": _ratio(all_in, videos),
         }
     return {"period": {"start": start.isoformat(), "end": end.isoformat()}, "provider": provider,

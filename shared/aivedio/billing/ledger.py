@@ -36,13 +36,18 @@ class Posted:
 
 
 def lock_wallet(conn: psycopg.Connection, tenant_id: UUID, wallet_id: UUID | None = None) -> dict | None:
-    """SELECT ... FOR UPDATE the tenant's wallet: every balance change for a wallet goes through here."""
+    """Lock the tenant's wallet: every balance change for a wallet goes through here. FOR NO KEY
+    UPDATE: it excludes every other balance change as FOR UPDATE did (they all take it, or update
+    the row), and lets through the FOR KEY SHARE of foreign-key checks, which the wallet's key never
+    needs to wait for; a partitioned wallet's slot admissions (migration 0195) make such checks
+    without the wallet lock, and FOR UPDATE would make them wait, and deadlock with a holder that
+    then waits for one of their lots."""
     if wallet_id is None:
         return conn.execute(
-            "select * from wallet_account where tenant_id = %s order by wallet_id limit 1 for update", (tenant_id,)
+            "select * from wallet_account where tenant_id = %s order by wallet_id limit 1 for no key update", (tenant_id,)
         ).fetchone()
     return conn.execute(
-        "select * from wallet_account where tenant_id = %s and wallet_id = %s for update", (tenant_id, wallet_id)
+        "select * from wallet_account where tenant_id = %s and wallet_id = %s for no key update", (tenant_id, wallet_id)
     ).fetchone()
 
 

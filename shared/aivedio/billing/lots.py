@@ -51,7 +51,7 @@ def take_from_lots(conn: psycopg.Connection, wallet_id: UUID, amount: int, now: 
         f"""select lot_id, remaining_amount from credit_lot l
             where wallet_id = %s and remaining_amount > 0 and (expires_at is null or expires_at > %s)
             order by {SPENDING_ORDER}
-            for update""",
+            for no key update""",  # as lock_wallet: foreign-key checks on the lot pass
         (wallet_id, now),
     ).fetchall()
     taken: list[tuple[UUID, int]] = []

@@ -49,6 +49,13 @@ OUTCOMES: Mapping[str, tuple[str, ...]] = MappingProxyType({
 })
 
 
+# Terminal states a policy prices with another state's rules. MEDIA_INGEST_FAILED (the media pipeline
+# could not make a playable video of the provider's success, aivedio.media.pipeline) is the outcome
+# FAILED/MEDIA_DELIVERY_FAILED names, "a result the platform could not deliver": every policy version
+# already says what it charges for it, so no version changes.
+CHARGED_AS: Mapping[str, str] = MappingProxyType({"MEDIA_INGEST_FAILED": "FAILED"})
+
+
 class UnknownPolicy(KeyError):
     pass
 
@@ -198,7 +205,7 @@ class ChargeDecision:
 
 
 def rule_for(policy: ChargePolicy, outcome: Outcome) -> str:
-    pair = policy.rules.get((outcome.state, outcome.stage))
+    pair = policy.rules.get((CHARGED_AS.get(outcome.state, outcome.state), outcome.stage))
     if pair is None:
         raise UnknownOutcome(f"{policy.key}: no rule for {outcome.state}/{outcome.stage}")
     return pair[0] if outcome.provider_charged else pair[1]

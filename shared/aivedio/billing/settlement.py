@@ -1,7 +1,7 @@
 """Settlement (ch. 20.6.4 to 20.6.6, 20.7.1, 20.7.5, 20.7.8): the consumer of terminal events.
 
-`settle()` applies one TaskSucceeded, TaskFailed or TaskCancelled event in ONE transaction, and
-`settle_many()` a batch of them (the same effects, with set-based statements):
+`settle()` applies one TaskSucceeded, TaskFailed, TaskCancelled or TaskMediaIngestFailed event in ONE
+transaction, and `settle_many()` a batch of them (the same effects, with set-based statements):
 
 1. lock the wallet (the lock order of every balance change; every writer of a task's charge,
    reservation and allocations holds it), then read the charge snapshot and the reservation;
@@ -27,6 +27,7 @@ A cancellation BEFORE_DISPATCH was already released by admission's cancel: it se
 still finalizes the snapshot."""
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, replace
 from datetime import datetime
 from decimal import Decimal
@@ -38,12 +39,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aivedio import outbox
 from aivedio.billing import budgets, contract_budgets, costs, lots, parked, policies, refunds
-from aivedio.billing.reservations import Closing, close_many, top_up
+from aivedio.billing.reservations import Closing, InsufficientCredit, close_many, open_allocations, top_up
+from aivedio.chaos import failpoints, safeguards
 from aivedio.db.pool import in_transaction
 from aivedio.metrics_catalog import SETTLEMENTS, SETTLEMENT_ABSORBED_CREDITS, SETTLEMENT_REPLAYS
 from aivedio.observability import logger, publish
 
-EVENT_STATES = {"TaskSucceeded": "SUCCEEDED", "TaskFailed": "FAILED", "TaskCancelled": "CANCELLED"}
+# TaskMediaIngestFailed: the media pipeline's end of a task whose provider succeeded but whose output
+# could not be made a playable video (aivedio.media.pipeline); stage MEDIA_DELIVERY_FAILED, priced by
+# the policy's rule for it (policies.CHARGED_AS), the provider's cost recorded as for any success.
+EVENT_STATES = {"TaskSucceeded": "SUCCEEDED", "TaskFailed": "FAILED", "TaskCancelled": "CANCELLED",
+                "TaskMediaIngestFailed": "MEDIA_INGEST_FAILED"}
 SETTLED_EVENT = "TaskSettled"
 
 
@@ -64,7 +70,7 @@ class TerminalEvent(BaseModel):
     task_id: UUID
     tenant_id: UUID | None = None
     attempt_id: UUID | None = None
-    state: Literal["SUCCEEDED", "FAILED", "CANCELLED"] | None = None
+    state: Literal["SUCCEEDED", "FAILED", "CANCELLED", "MEDIA_INGEST_FAILED"] | None = None
     stage: str = Field(min_length=1)
     provider: str | None = None
     provider_account: str | None = None
@@ -184,7 +190,9 @@ def settle_many(conn: psycopg.Connection, items: list[Terminal], now: datetime) 
     same events, concurrently too. A failure rolls them all back: the caller may then settle them
     one by one to learn which one fails."""
     with conn.pipeline():
-        return in_transaction(conn, lambda c: settle_many_in(c, items, now))
+        results = in_transaction(conn, lambda c: settle_many_in(c, items, now))
+    failpoints.hit("after-ledger-before-ack")  # the ledger committed; the caller has not acknowledged the messages
+    return results
 
 
 def settle_in(conn: psycopg.Connection, payload: dict[str, Any], now: datetime, *, event_type: str | None = None,
@@ -266,12 +274,16 @@ def _plan(conn: psycopg.Connection, i: int, item: Terminal, ev: TerminalEvent, s
     if ev.tenant_id is not None and ev.tenant_id != tenant_id:
         return _park(conn, "TENANT_MISMATCH", tenant_id=ev.tenant_id, detail=f"task belongs to {tenant_id}", **ids)
     ids["tenant_id"] = tenant_id
+    again = ""  # the business keys' suffix of a settlement made a second time (settlement-idempotency broken)
     if charge["finalized_at"] is not None:
-        if charge["settled_outcome"] == outcome_key:
+        if charge["settled_outcome"] != outcome_key:
+            return _park(conn, "CONFLICTING_TERMINAL", detail=f"settled as {charge['settled_outcome']}, event says {outcome_key}",
+                         **ids)
+        if not (safeguards.broken("settlement-idempotency") and _reserve_again(conn, charge, wallet, now, before_top_up)):
             publish(SETTLEMENT_REPLAYS, via="snapshot")
             return Settlement("REPLAY", task_id, charged=charge["final_charge_amount"], reason_code=charge["settle_reason"],
                               settle_ledger_txn_id=charge["settle_ledger_txn_id"])
-        return _park(conn, "CONFLICTING_TERMINAL", detail=f"settled as {charge['settled_outcome']}, event says {outcome_key}", **ids)
+        again = f":again:{uuid.uuid4()}"
     if charge["price_unit"] != wallet["unit_code"]:
         return _park(conn, "CURRENCY_MISMATCH",
                      detail=f"price version in {charge['price_unit']}, wallet in {wallet['unit_code']}", **ids)
@@ -303,11 +315,11 @@ def _plan(conn: psycopg.Connection, i: int, item: Terminal, ev: TerminalEvent, s
             decision = policies.decide(replace(snapshot, headroom=max(0, room)), outcome)
     if decision.top_up:
         top_up(conn, wallet=wallet, reservation=r, amount=decision.top_up,
-               business_key=f"reserve:generation:{task_id}:topup:settle:{version}", now=now)  # POSTPAID: no lots
+               business_key=f"reserve:generation:{task_id}:topup:settle:{version}{again}", now=now)  # POSTPAID: no lots
     open_before = r["reserved_amount"] - r["settled_amount"] - r["released_amount"]
     closing = Closing(
         wallet=wallet, reservation=r, allocations=allocations, amount=decision.amount,
-        settle_key=f"settle:generation:{task_id}:{version}", release_key=f"release:generation:{task_id}:SETTLED_{state}",
+        settle_key=f"settle:generation:{task_id}:{version}{again}", release_key=f"release:generation:{task_id}:SETTLED_{state}{again}",
         reason_code=decision.reason_code, release_reason=f"SETTLED_{state}",
         metadata={"policy": decision.policy, "rule": decision.rule, "uncapped": decision.uncapped, "absorbed": decision.absorbed,
                   "price_version_id": str(charge["price_version_id"]), "attempt_id": str(ev.attempt_id) if ev.attempt_id else None,
@@ -315,6 +327,27 @@ def _plan(conn: psycopg.Connection, i: int, item: Terminal, ev: TerminalEvent, s
     # Planned now, so the next event of the same wallet sees this one's effect on the balance.
     _preview(wallet, open_before, decision.amount)
     return _Plan(i, ev, item, state, outcome_key, charge, wallet, decision, closing, open_before)
+
+
+def _reserve_again(conn: psycopg.Connection, charge: dict, wallet: dict, now: datetime, before_top_up: Callable[[], None]) -> bool:
+    """The settlement-idempotency safeguard switched off (a chaos run only): a redelivered event is
+    settled again instead of replayed. Reserve the first settlement's charge once more (a top-up of
+    the closed reservation, under a key of its own) so the settlement that follows charges it a
+    second time. False (a replay after all) when it charged nothing or the wallet cannot pay."""
+    amount = charge["final_charge_amount"] or 0
+    if amount <= 0:
+        return False
+    before_top_up()  # the wallet as the settlements planned before this one leave it
+    reservation = {k: charge[k] for k in ("reservation_id", "task_id", "reserved_amount")}
+    try:
+        top_up(conn, wallet=wallet, reservation=reservation, amount=amount,
+               business_key=f"reserve:generation:{charge['task_id']}:again:{uuid.uuid4()}", now=now)
+    except InsufficientCredit:
+        return False
+    charge["reserved_amount"] = reservation["reserved_amount"]
+    charge["allocations"] = [{"lot_id": str(a["lot_id"]), "open": a["open"]}
+                             for a in open_allocations(conn, charge["reservation_id"])]
+    return True
 
 
 def _preview(wallet: dict, open_before: int, amount: int) -> None:

@@ -21,6 +21,7 @@ from uuid import UUID
 import psycopg
 
 from aivedio.admin import rbac
+from aivedio.billing import allowances
 from aivedio.billing.ledger import Entry, ledger_aggregate, post
 from aivedio.errors import Conflict, NotFound
 from aivedio.metrics_catalog import RECONCILIATION_BREAKS
@@ -28,9 +29,12 @@ from aivedio.observability import logger, publish
 
 FREEZE_PREFIX = "wallet check: "
 
+# What the wallet holds reserved: its reservations' open parts, and the spend allowances of its
+# admission slots (billing.allowances: credit reserved for a slot, not yet for a task).
 OPEN_RESERVED = """
-select coalesce(sum(reserved_amount - settled_amount - released_amount), 0)::bigint as n
-  from credit_reservation where wallet_id = %s
+select (select coalesce(sum(reserved_amount - settled_amount - released_amount), 0)
+          from credit_reservation where wallet_id = %(w)s)
+     + (select coalesce(sum(amount), 0) from wallet_allowance where wallet_id = %(w)s) as n
 """
 
 LOTS = """
@@ -46,8 +50,9 @@ select count(*) as n from (select ledger_txn_id from ledger_entry where wallet_i
 
 LOT_DRIFT = """
 select l.lot_id, l.reserved_amount as lot_reserved, l.remaining_amount,
-       coalesce((select sum(a.amount - a.settled_amount - a.released_amount) from reservation_allocation a
-                  where a.lot_id = l.lot_id), 0)::bigint as held
+       (coalesce((select sum(a.amount - a.settled_amount - a.released_amount) from reservation_allocation a
+                   where a.lot_id = l.lot_id), 0)
+        + coalesce((select sum(w.amount) from wallet_allowance w where w.lot_id = l.lot_id), 0))::bigint as held
   from credit_lot l where l.wallet_id = %s
  order by l.lot_id
  for update of l
@@ -55,7 +60,10 @@ select l.lot_id, l.reserved_amount as lot_reserved, l.remaining_amount,
 
 
 def _lock(conn: psycopg.Connection, wallet_id: UUID) -> dict:
-    w = conn.execute("select * from wallet_account where wallet_id = %s for update", (wallet_id,)).fetchone()
+    # A partitioned wallet's allowances first (the lock order of refills and returns), so no slot's
+    # admission moves credit between the reads below.
+    allowances.lock_allowances(conn, wallet_id)
+    w = conn.execute("select * from wallet_account where wallet_id = %s for no key update", (wallet_id,)).fetchone()
     if w is None:
         raise NotFound(f"no wallet {wallet_id}")
     return w
@@ -74,7 +82,7 @@ def findings(conn: psycopg.Connection, wallet: dict) -> list[dict]:
     cmp("SNAPSHOT_AVAILABLE", agg.get("AVAILABLE", 0), wallet["available_amount"])
     cmp("SNAPSHOT_RESERVED", agg.get("RESERVED", 0), wallet["reserved_amount"])
     cmp("SNAPSHOT_CONSUMED", agg.get("CONSUMED", 0), wallet["consumed_amount"])
-    cmp("RESERVED_VS_RESERVATIONS", conn.execute(OPEN_RESERVED, (wid,)).fetchone()["n"], wallet["reserved_amount"])
+    cmp("RESERVED_VS_RESERVATIONS", conn.execute(OPEN_RESERVED, {"w": wid}).fetchone()["n"], wallet["reserved_amount"])
     if wallet["account_type"] != "POSTPAID":
         lots = conn.execute(LOTS, (wid,)).fetchone()
         cmp("LOTS_VS_AVAILABLE", lots["remaining"], wallet["available_amount"])
@@ -131,7 +139,7 @@ def rebuild(conn: psycopg.Connection, *, operator: str, wallet_id: UUID, now: da
                 entries += [Entry("RESERVED", -d, lot["lot_id"]), Entry("AVAILABLE", d, lot["lot_id"])]
                 lot_moves.append((d, lot["lot_id"]))
     agg = ledger_aggregate(conn, wallet_id)
-    open_reserved = conn.execute(OPEN_RESERVED, (wallet_id,)).fetchone()["n"]
+    open_reserved = conn.execute(OPEN_RESERVED, {"w": wallet_id}).fetchone()["n"]
     residual = agg.get("RESERVED", 0) - sum(-e.amount_delta for e in entries if e.bucket == "RESERVED") - open_reserved
     if residual:
         entries += [Entry("RESERVED", -residual), Entry("AVAILABLE", residual)]

@@ -1,0 +1,182 @@
+"""Admission in one round trip (issue 15, part 2): the write path is one call of aivedio_admit
+(migration 0190), over the real PostgreSQL and Redis.
+
+- an admission sends two statements in two round trips (the policy with the key's record, then the
+  call), no BEGIN or COMMIT, and one Redis command for both submit buckets;
+- a replay sends the first statement only;
+- the function's expected wait is queue_stats.expected_wait_seconds, and the body it stores is what
+  json.dumps writes;
+- the rate buckets in one call refuse like separate calls: a refused user bucket leaves the tenant
+  bucket untouched."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import uuid
+
+import psycopg
+import pytest
+
+from aivedio.admission import queue_stats, rate_limits
+from aivedio.admission.models import GenerationRequest
+from aivedio.admission.queue_stats import LaneStats
+from aivedio.admission.service import admit
+from aivedio.bench.profile import count_trace
+from tests.admission_support import BODY, new_tenant
+
+
+def traced(platform, fn):
+    """Run fn() with the platform's only connection traced; (its result, the trace's counts)."""
+    fd, path = tempfile.mkstemp(prefix="aivedio-test-trace-")
+    with platform.db.connection() as c:
+        c.pgconn.trace(fd)
+        c.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE)
+    try:
+        out = fn()
+    finally:
+        with platform.db.connection() as c:
+            c.pgconn.untrace()
+        os.close(fd)
+    with open(path) as f:
+        text = f.read()
+    os.unlink(path)
+    return out, count_trace(text), text
+
+
+def redis_counted(platform):
+    calls: list = []
+    original = platform.cache.r.execute_command
+
+    def counted(*a, **k):
+        calls.append(a[0])
+        return original(*a, **k)
+
+    platform.cache.r.execute_command = counted
+    return calls
+
+
+def test_an_admission_is_two_statements_in_two_round_trips_and_one_redis_call(make_platform, conn):
+    p = make_platform(pool_size=1)  # one connection: everything admission sends is traced
+    t = new_tenant(p)
+    req = GenerationRequest(**BODY)
+    admit(p, t.caller, req, BODY, "warm")  # caches: price version, lane figures, outbox state
+    calls = redis_counted(p)
+    got, counts, text = traced(p, lambda: admit(p, t.caller, req, BODY, "measured"))
+    assert got.status == 202 and not got.replayed
+    assert counts == {"statements": 2, "transaction_commands": 0, "round_trips": 2}, text
+    assert "aivedio_admit" in text
+    assert len(calls) == 1 and calls[0].upper() in ("EVALSHA", "EVAL"), calls
+    # What the one call wrote is everything an admission writes.
+    task_id = json.loads(got.body)["task_id"]
+    for table in ("generation_task", "generation_charge", "credit_reservation", "idempotency_record"):
+        assert conn.execute(f"select count(*) as n from {table} where task_id = %s", (task_id,)).fetchone()["n"] == 1, table
+    assert conn.execute("""select count(*) as n from ledger_transaction where task_id = %s and event_type = 'RESERVE'
+                            and business_key = %s""", (task_id, f"reserve:generation:{task_id}:v1")).fetchone()["n"] == 1
+    assert conn.execute("select count(*) as n from outbox_event where aggregate_id = %s and event_type = 'TaskQueued'",
+                        (task_id,)).fetchone()["n"] == 1
+
+    calls.clear()
+    again, counts, text = traced(p, lambda: admit(p, t.caller, req, BODY, "measured"))
+    assert again.replayed and again.body == got.body
+    assert counts == {"statements": 1, "transaction_commands": 0, "round_trips": 1}, text
+    assert calls == []  # a replay spends no rate
+
+
+def test_the_stored_body_is_what_json_dumps_writes(platform, conn):
+    t = new_tenant(platform)
+    got = admit(platform, t.caller, GenerationRequest(**BODY), BODY, "shape")
+    body = json.loads(got.body)
+    assert got.body == json.dumps(body)
+    assert list(body) == ["task_id", "state", "decision", "queue_class", "estimated_start_at", "queue_position_level", "quote"]
+    assert list(body["quote"]) == ["price_version_id", "quoted_amount", "max_reserve_amount", "unit"]
+    assert body["estimated_start_at"].endswith("Z") and len(body["estimated_start_at"]) == len("2025-01-01T00:00:00Z")
+    event = conn.execute("select payload from outbox_event where aggregate_id = %s", (uuid.UUID(body["task_id"]),)).fetchone()
+    assert set(event["payload"]) == {"task_id", "tenant_id", "queue_class", "priority_band", "fairness_units", "enqueue_at"}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_functions_expected_wait_is_the_python_one(conn, seed):
+    rng = random.Random(seed)
+    for _ in range(200):
+        stats = LaneStats(queued_units=rng.randint(0, 10_000), queued_tasks=0, active_weight=rng.randint(0, 500),
+                          mu_units_per_second=rng.choice([0.0, rng.uniform(0.001, 50.0)]), measured=True)
+        kw = dict(tenant_weight=rng.randint(1, 100), tenant_queued_units=rng.randint(0, 1000),
+                  tenant_active=rng.random() < 0.5, units=rng.randint(1, 50))
+        want = queue_stats.expected_wait_seconds(stats, **kw)
+        got = conn.execute("select aivedio_expected_wait(%s, %s, %s::float8, %s, %s, %s, %s) as w",
+                           (stats.queued_units, stats.active_weight, stats.mu_units_per_second, kw["tenant_weight"],
+                            kw["tenant_queued_units"], kw["tenant_active"], kw["units"])).fetchone()["w"]
+        assert got == pytest.approx(want, rel=1e-12), (stats, kw)
+
+
+def test_the_buckets_in_one_call_refuse_like_separate_calls(platform):
+    first = rate_limits.take_all(platform, [("u:a", 1), ("t:a", 5)])
+    assert first is None
+    refused = rate_limits.take_all(platform, [("u:a", 1), ("t:a", 5)])
+    assert refused is not None and refused[0] == 0 and refused[1].retry_after_seconds >= 1
+    # The user bucket refused, so the tenant bucket was left alone: it still has 4 of its 5.
+    assert [rate_limits.take(platform, "t:a", 5).allowed for _ in range(5)] == [True] * 4 + [False]
+    # A bucket with no rate refuses without a call, after the ones before it gave.
+    assert rate_limits.take_all(platform, [("u:b", 3), ("t:b", 0)])[0] == 1
+    assert [rate_limits.take(platform, "u:b", 3).allowed for _ in range(3)] == [True, True, False]
+
+
+USAGE_VS_TASKS = """
+select coalesce(u.tenant_id, t.tenant_id) as tenant_id, coalesce(u.user_id, t.user_id) as user_id,
+       coalesce(u.queue_class, t.queue_class) as queue_class, coalesce(u.queued_tasks, 0) as usage_tasks,
+       coalesce(u.queued_units, 0) as usage_units, coalesce(t.n, 0) as tasks, coalesce(t.units, 0) as units
+  from (select * from task_queue_usage where tenant_id = %(t)s) u
+  full join (select tenant_id, user_id, queue_class, count(*) as n, sum(fairness_units) as units from generation_task
+              where tenant_id = %(t)s and state = 'QUEUED' group by 1, 2, 3) t using (tenant_id, user_id, queue_class)
+"""
+
+
+def test_the_queue_usage_the_limits_read_equals_the_queued_tasks(platform, conn):
+    from aivedio.admission.cancel import cancel
+    from tests.admission_support import second_user
+
+    t = new_tenant(platform)
+    other = second_user(platform, t)
+    ids = []
+    for who in (t, other):
+        for i in range(4):
+            ids.append(json.loads(admit(platform, who.caller, GenerationRequest(**BODY), BODY, uuid.uuid4().hex).body)["task_id"])
+    cancel(platform, t.caller, uuid.UUID(ids[0]))  # QUEUED -> CANCELLED
+    conn.execute("update generation_task set state = 'DISPATCHING', version = version + 1 where task_id = %s", (ids[1],))  # a claim
+    conn.execute("update generation_task set state = 'DISPATCHING' where task_id = %s", (ids[5],))
+    conn.execute("update generation_task set state = 'QUEUED' where task_id = %s", (ids[5],))  # and its requeue
+    conn.execute("update generation_task set queue_class = 'STANDARD', fairness_units = 3 where task_id = %s", (ids[6],))
+    conn.execute("update generation_task set priority_band = 1 where task_id = %s", (ids[7],))  # not counted: no change
+    rows = conn.execute(USAGE_VS_TASKS, {"t": t.tenant_id}).fetchall()
+    assert rows and all((r["usage_tasks"], r["usage_units"]) == (r["tasks"], r["units"]) for r in rows), rows
+    assert sum(r["tasks"] for r in rows) == 6
+    # And the limits read it: the user with 3 queued tasks is full at 3.
+    from aivedio.admission.decisions import Rejected
+
+    conn.execute("update tenant_scheduling_policy set max_user_queued_tasks = 3 where tenant_id = %s", (t.tenant_id,))
+    with pytest.raises(Rejected) as e:
+        admit(platform, other.caller, GenerationRequest(**BODY), BODY, "over")
+    assert e.value.decision == "REJECT_USER_QUEUE_FULL"
+    assert admit(platform, t.caller, GenerationRequest(**BODY), BODY, "room").status == 202  # 2 queued: room for one
+
+
+def test_a_spent_key_answers_before_a_refusal(make_platform, conn):
+    from datetime import datetime, timezone
+
+    from aivedio.admission.service import IdempotencyKeyReused
+    from aivedio.config import ManualClock
+
+    clock = ManualClock(datetime.now(timezone.utc))
+    p = make_platform(clock=clock)
+    t = new_tenant(p, credits=70)  # one task's worth
+    req = GenerationRequest(**BODY)
+    assert admit(p, t.caller, req, BODY, "once").status == 202
+    clock.advance(p.config.timers.idempotency_ttl_seconds + 1)
+    # The record expired; the key is still its task's. The wallet is empty too: the key answers.
+    with pytest.raises(IdempotencyKeyReused):
+        admit(p, t.caller, req, BODY, "once")
+    conn.execute("update tenant_scheduling_policy set max_queued_tasks = 0 where tenant_id = %s", (t.tenant_id,))
+    with pytest.raises(IdempotencyKeyReused):
+        admit(p, t.caller, req, BODY, "once")
