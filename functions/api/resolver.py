@@ -17,8 +17,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from aws_lambda_powertools.event_handler import APIGatewayRestResolver
+from aws_lambda_powertools.event_handler import APIGatewayRestResolver, Response, content_types
 from aws_lambda_powertools.utilities.data_classes.common import BaseProxyEvent
+
+from aivedio.observability import logger
+from aivedio.outbox import waking_relay
 
 
 @dataclass
@@ -95,3 +98,29 @@ class ThreadLocalRestResolver(APIGatewayRestResolver):
         for route in self._static_routes + self._dynamic_routes:
             if not route._middleware_stack_built:
                 route._build_middleware_stack(router_middlewares=self._router_middlewares, app=self)
+
+    def add_openapi_route(self, path: str, mark: Any = None) -> None:
+        """GET `path` answers the OpenAPI document, built once: routes are fixed after import.
+        `mark` decorates the route function first (the admin API marks it public)."""
+        built: list[str] = []
+
+        def openapi_json():  # no return annotation: validation would try to model Response
+            if not built:
+                built.append(self.get_openapi_json_schema())
+            return Response(status_code=200, content_type=content_types.APPLICATION_JSON, body=built[0])
+
+        self.get(path, include_in_schema=False)(mark(openapi_json) if mark else openapi_json)
+
+    def handle(self, event: dict, context: Any, gate: Any) -> dict[str, Any]:
+        """One invocation: a fresh per-thread state, this request's log keys, the gate (None lets the
+        request through), then the routes, with the outbox relay woken for what they wrote."""
+        self.start_request()
+        # The Lambda decorator's keys are process-wide; these are this thread's, so a log line names
+        # its own request when the local server runs several at once.
+        logger.thread_safe_append_keys(correlation_id=(event.get("requestContext") or {}).get("requestId"),
+                                       function_request_id=getattr(context, "aws_request_id", None))
+        refused = gate(self, event)
+        if refused is not None:
+            return refused
+        with waking_relay():  # an admission's TaskQueued, a webhook's terminal event, a redrive: relayed now
+            return self.resolve(event, context)

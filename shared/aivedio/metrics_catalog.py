@@ -20,6 +20,8 @@ SERVICE = "aivedio"
 
 COUNTER = "counter"  # a count of events: each publish adds its value
 GAUGE = "gauge"  # a level: each publish sets it
+HISTOGRAM = "histogram"  # a distribution: each publish is one observation (EMF values; Prometheus buckets)
+WAIT_BUCKETS_SECONDS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0)
 
 # The dimensions a spec may have: each takes values from a short fixed list (lane names, provider
 # names, states, reason codes, ...).
@@ -35,6 +37,7 @@ class MetricSpec:
     statistic: str  # how the dashboard and alarms aggregate it
     description: str
     kind: str = COUNTER
+    buckets: tuple[float, ...] = ()  # a histogram's upper bounds, in the spec's unit (Prometheus only)
 
 
 QUEUE_DEPTH_UNITS = MetricSpec("QueueDepthUnits", "Count", ("lane",), "Maximum",
@@ -127,6 +130,24 @@ DEGRADED_MODE = MetricSpec("DegradedMode", "Count", ("mode",), "Maximum",
                            "provider_breaker, pricing, capacity_counters), 0 when it ends (gauge, by /healthz, the "
                            "redis-index service and the code that notices the fault)", GAUGE)
 # --- invoices ---
+RECONCILIATION_OPEN_ITEMS = MetricSpec("ReconciliationOpenItems", "Count", (), "Maximum",
+                                       "invoice reconciliation items still OPEN, all providers (gauge, by the "
+                                       "invoice-reconcile service each run)", GAUGE)
+# --- lanes and credits, read by the scheduler tick with the other gauges (aivedio.scheduling.gauges) ---
+QUEUE_DEPTH_TASKS = MetricSpec("QueueDepthTasks", "Count", ("lane",), "Maximum",
+                               "QUEUED tasks per lane (gauge, by the scheduler tick)", GAUGE)
+RUNNING_UNITS = MetricSpec("RunningUnits", "Count", ("lane",), "Maximum",
+                           "cost units in use of the lane's own capacity, by its work and by borrowers (gauge)", GAUGE)
+BORROWED_UNITS = MetricSpec("BorrowedUnits", "Count", ("lane",), "Maximum",
+                            "units the lane's work runs on capacity borrowed from another lane (gauge)", GAUGE)
+LANE_UTILISATION = MetricSpec("LaneUtilisation", "Percent", ("lane",), "Average",
+                              "running units / safe capacity (capacity less the headroom kept free) per lane (gauge)",
+                              GAUGE)
+RESERVED_CREDITS_IN_FLIGHT = MetricSpec("ReservedCreditsInFlight", "Count", (), "Maximum",
+                                        "credits held by ACTIVE credit reservations, all wallets (gauge)", GAUGE)
+QUEUE_WAIT_SECONDS = MetricSpec("QueueWaitSeconds", "Seconds", ("lane",), "p99",
+                                "platform seconds from admission to claim, one observation per claimed task "
+                                "(histogram, by the scheduler tick)", HISTOGRAM, WAIT_BUCKETS_SECONDS)
 
 ALL: tuple[MetricSpec, ...] = (QUEUE_DEPTH_UNITS, OLDEST_WAIT_SECONDS, PROVIDER_UTILISATION, ADMISSION_REJECTIONS,
                                SUBMIT_UNKNOWN, UNRECONCILED_COST, STARVATION_INTERVENTIONS, OUTBOX_BACKLOG,
@@ -142,4 +163,7 @@ ALL: tuple[MetricSpec, ...] = (QUEUE_DEPTH_UNITS, OLDEST_WAIT_SECONDS, PROVIDER_
                                MANUAL_REVIEW_OPEN,
                                DEGRADED_MODE,
                                OUTBOX_DEAD_LETTERS,
+                               RECONCILIATION_OPEN_ITEMS, QUEUE_DEPTH_TASKS, RUNNING_UNITS, BORROWED_UNITS,
+                               LANE_UTILISATION, RESERVED_CREDITS_IN_FLIGHT, QUEUE_WAIT_SECONDS,
                                )
+BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in ALL}

@@ -11,9 +11,12 @@ from collections import defaultdict
 
 from aws_lambda_powertools import Logger
 
-from aivedio.metrics_catalog import GAUGE, NAMESPACE, SERVICE, MetricSpec
+from aivedio.metrics_catalog import GAUGE, HISTOGRAM, NAMESPACE, SERVICE, MetricSpec
 
 logger = Logger(service="aivedio", logger_handler=__import__("logging").StreamHandler(sys.stderr))
+
+
+Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 class LocalMetrics:
@@ -21,29 +24,49 @@ class LocalMetrics:
     Prometheus endpoint (aivedio.local.prometheus). `snapshot()` keys are the spec's name plus its
     sorted dimensions ("Claims|lane=PAID_SHARED") and sum every value published (for a gauge, the
     sum of what each run set); `series()` keeps, per spec and dimensions, a counter's total and a
-    gauge's last value."""
+    gauge's last value; `histograms()` a histogram's bucket counts, sum and count."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.counters: dict[str, float] = defaultdict(float)
-        self._series: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._series: Series = {}
+        self._set_at: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # a gauge's last set (epoch s)
+        self._hist: dict[tuple[str, tuple[tuple[str, str], ...]], list[float]] = {}  # [per bucket..., +Inf, sum]
 
     def record(self, spec: MetricSpec, value: float, dims: dict[str, str]) -> None:
         items = tuple(sorted((k, str(v)) for k, v in dims.items()))
         key = spec.name + "".join(f"|{k}={v}" for k, v in items)
         with self._lock:
             self.counters[key] += value
+            if spec.kind == HISTOGRAM:
+                h = self._hist.setdefault((spec.name, items), [0.0] * (len(spec.buckets) + 2))
+                h[next((i for i, b in enumerate(spec.buckets) if value <= b), len(spec.buckets))] += 1
+                h[-1] += value
+                return
             prev = self._series.get((spec.name, items), 0.0)
             self._series[(spec.name, items)] = value if spec.kind == GAUGE else prev + value
+            if spec.kind == GAUGE:
+                self._set_at[(spec.name, items)] = time.time()
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self.counters)
 
-    def series(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    def series(self) -> Series:
         """{(spec name, ((dimension, value), ...)): a counter's total or a gauge's last value}."""
         with self._lock:
             return dict(self._series)
+
+    def histograms(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], list[float]]:
+        """{(spec name, dims): [count per bucket (not cumulative)..., count above the last, sum]}."""
+        with self._lock:
+            return {k: list(v) for k, v in self._hist.items()}
+
+    def dump(self) -> dict:
+        """This process's series as JSON, for a process that merges several (aivedio.local.prometheus)."""
+        with self._lock:
+            return {"series": [[n, list(map(list, d)), v, self._set_at.get((n, d))] for (n, d), v in self._series.items()],
+                    "histograms": [[n, list(map(list, d)), list(v)] for (n, d), v in self._hist.items()]}
 
 
 metrics = LocalMetrics()

@@ -27,7 +27,24 @@ def decode_cursor(cursor: str) -> tuple[datetime, UUID]:
         raise InvalidRequest("bad cursor", {"query.cursor": "not a cursor this API returned"}) from None
 
 
-def _task_doc(conn, t: dict, *, full: bool) -> dict:
+# The outputs of the task's latest output version (a media retry keeps its version, so there is one
+# set), in asset order. The URL is made at read time from the platform's own key (aivedio.media.urls).
+OUTPUTS = """
+select asset_type, object_key, url from task_output
+ where task_id = %s and output_version = (select max(output_version) from task_output where task_id = %s)
+ order by case asset_type when 'delivery' then 0 when 'video' then 0 when 'proxy' then 1 when 'thumbnail' then 2 else 3 end,
+          created_at, asset_type
+"""
+
+
+def _outputs(conn, task_id: UUID, platform) -> list[dict]:
+    from aivedio.media.urls import output_url
+
+    return [{"asset_type": o["asset_type"], "url": output_url(platform, o)}
+            for o in conn.execute(OUTPUTS, (task_id, task_id)).fetchall()]
+
+
+def _task_doc(conn, t: dict, *, full: bool, platform=None) -> dict:
     doc = {"task_id": str(t["task_id"]), "state": t["state"], "queue_class": t["queue_class"],
            "created_at": _iso(t["created_at"]), "started_at": _iso(t["started_at"]), "finished_at": _iso(t["finished_at"]),
            "model": t["model_code"], "mode": t["mode"], "duration_seconds": t["duration_seconds"], "resolution": t["resolution"]}
@@ -44,21 +61,39 @@ def _task_doc(conn, t: dict, *, full: bool) -> dict:
              left join credit_reservation r on r.task_id = c.task_id where c.task_id = %s and c.tenant_id = %s""",
         (t["task_id"], t["tenant_id"]),
     ).fetchone()
-    outputs = conn.execute(
-        "select asset_type, url from task_output where task_id = %s order by created_at", (t["task_id"],)
-    ).fetchall()
     doc["attempts"] = [dict(a) for a in attempts]
     doc["charge"] = {"quoted_amount": charge["quoted_amount"], "reserved_amount": charge["reserved_amount"],
                      "final_charge_amount": charge["final_charge_amount"]} if charge else None
-    doc["outputs"] = [dict(o) for o in outputs]
+    doc["outputs"] = _outputs(conn, t["task_id"], platform)
     return doc
 
 
-def get_task(conn, tenant_id: UUID, task_id: UUID) -> dict:
+def get_task(conn, tenant_id: UUID, task_id: UUID, *, platform=None) -> dict:
+    """One task of the tenant. With `platform`, a QUEUED task also says why it waits (`waiting`,
+    aivedio.scheduling.why_waiting); any other state has none. Its outputs' URLs are the
+    platform's own, signed (or presigned) at this read: without `platform` they are left out (None)."""
     t = conn.execute("select * from generation_task where tenant_id = %s and task_id = %s", (tenant_id, task_id)).fetchone()
     if t is None:
         raise NotFound("no such task")
-    return _task_doc(conn, t, full=True)
+    doc = _task_doc(conn, t, full=True, platform=platform)
+    if platform is not None and t["state"] == "QUEUED":
+        doc["waiting"] = _waiting(platform, conn, t)
+    return doc
+
+
+def _waiting(platform, conn, t: dict) -> dict | None:
+    """The task's `waiting` object, computed from the row read inside the tenant boundary. A
+    diagnostic that fails leaves it out (logged) rather than failing the tenant's GET."""
+    from aivedio.observability import logger
+    from aivedio.scheduling.why_waiting import for_tenant
+
+    try:
+        with conn.transaction():  # its reads roll back together should one fail
+            return for_tenant(platform, conn, t)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("why-waiting failed", extra={"tenant_id": str(t["tenant_id"]), "task_id": str(t["task_id"]),
+                                                    "error": repr(e)})
+        return None
 
 
 def list_tasks(conn, tenant_id: UUID, *, state: str | None, limit: int, cursor: str | None) -> dict:

@@ -104,6 +104,10 @@ def test_two_api_workers_serve_one_port_and_ctrl_c_stops_all(tmp_path, db_url, r
         with ThreadPoolExecutor(8) as pool:
             pids = {int(p) for p in pool.map(health, range(40))}
         assert len(pids) == 2 and proc.pid not in pids and pids <= set(workers), (pids, workers)
+        # The admin API shares the port in every worker (aivedio.local.runtime.api_server).
+        with httpx.Client(base_url=url, timeout=10) as c:
+            r = c.get("/admin/v1/openapi.json")
+            assert r.status_code == 200 and int(r.headers["X-Aivedio-Worker"]) in pids, r.text
 
         auth = {"Authorization": f"Bearer {tenant['api_key']}"}
         with httpx.Client(base_url=url, timeout=10) as c:
@@ -122,6 +126,23 @@ def test_two_api_workers_serve_one_port_and_ctrl_c_stops_all(tmp_path, db_url, r
             lag = conn.execute("select extract(epoch from published_at - created_at) from outbox_event "
                                "where aggregate_id = %s order by created_at limit 1", (task_id,)).fetchone()[0]
         assert lag < 3, f"the worker's first event waited {lag}s for the relay: its wake-up was lost"
+
+        # The claim was counted in the main process; whichever worker answers /metrics shows it.
+        def claims_seen(_: int) -> tuple[str, float]:
+            with httpx.Client(base_url=url, timeout=10) as c:
+                r = c.get("/metrics")
+                assert r.status_code == 200, r.text
+                found = re.search(r'^aivedio_claims_total\{lane="PAID_SHARED"\} (\S+)$', r.text, re.M)
+                return r.headers["X-Aivedio-Worker"], float(found.group(1)) if found else 0.0
+
+        deadline, answers = time.monotonic() + 10, {}
+        while time.monotonic() < deadline:
+            with ThreadPoolExecutor(8) as pool:
+                answers = dict(pool.map(claims_seen, range(24)))
+            if len(answers) == 2 and all(v >= 1 for v in answers.values()):
+                break
+            time.sleep(0.5)
+        assert len(answers) == 2 and all(v >= 1 for v in answers.values()), answers
 
         # A worker that dies is logged and replaced; the port keeps answering.
         os.kill(workers[0], signal.SIGKILL)

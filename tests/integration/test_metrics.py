@@ -34,10 +34,15 @@ def test_gauges_read_queue_depth_oldest_wait_and_provider_utilisation(platform):
     submit(platform, t.tenant_id, t.user_id, n=3)
     before = read_gauges(platform)
     lane = before["lanes"]["PAID_SHARED"]
-    assert lane["queued_units"] == 3 and lane["oldest_wait_seconds"] >= 0
+    assert lane["queued_units"] == 3 and lane["queued_tasks"] == 3 and lane["oldest_wait_seconds"] >= 0
+    assert lane["running_units"] == 0 and before["reserved_credits"] > 0  # admission reserved the quotes
     assert before["providers"]["provider-a"]["running"] == 0
     assert Scheduler(platform).tick(5.0).claims == 3
     after = publish_gauges(platform, force=True)
-    assert after["lanes"]["PAID_SHARED"] == {"queued_units": 0, "oldest_wait_seconds": 0.0}
+    safe = platform.config.lanes["PAID_SHARED"].capacity_units - platform.config.lanes["PAID_SHARED"].min_headroom_units
+    assert after["lanes"]["PAID_SHARED"] == {"queued_tasks": 0, "queued_units": 0, "oldest_wait_seconds": 0.0,
+                                             "running_units": 3, "borrowed_units": 0,
+                                             "utilisation_percent": round(100.0 * 3 / safe, 1)}
+    assert after["reserved_credits"] == before["reserved_credits"]  # held until settlement
     assert after["providers"]["provider-a"]["running"] == 3 and after["providers"]["provider-a"]["percent"] > 0
     assert metrics.snapshot()["QueueDepthUnits|lane=PAID_SHARED"] >= 0

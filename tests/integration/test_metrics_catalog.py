@@ -40,8 +40,10 @@ def test_the_catalog_is_whole_and_its_dimensions_are_bounded():
     assert len({s.name for s in mc.ALL}) == len(mc.ALL)
     for spec in mc.ALL:
         assert set(spec.dimensions) <= mc.BOUNDED_DIMENSIONS, spec
-        assert spec.kind in (mc.COUNTER, mc.GAUGE), spec
-        assert spec.kind == mc.GAUGE or spec.statistic == "Sum", spec  # a counter graphs as its sum
+        assert spec.kind in (mc.COUNTER, mc.GAUGE, mc.HISTOGRAM), spec
+        assert spec.kind != mc.COUNTER or spec.statistic == "Sum", spec  # a counter graphs as its sum
+        assert (spec.kind == mc.HISTOGRAM) == bool(spec.buckets), spec
+        assert list(spec.buckets) == sorted(set(spec.buckets)), spec
 
 
 def test_every_publish_call_names_a_catalog_spec_and_no_other_path_is_left():
@@ -138,3 +140,33 @@ def test_work_moves_the_counters_served_on_metrics(platform):
     assert _value(after, "aivedio_provider_utilisation_ratio", "aivedio_provider_utilisation_ratio",
                   provider="provider-x") == 0.25
     assert metrics.snapshot()["Claims|lane=PAID_SHARED"] >= 3  # the local snapshot keeps its keys
+    # each claim is one observation of the queue-wait histogram, in cumulative buckets
+    waits = [_value(f, "aivedio_queue_wait_seconds", "aivedio_queue_wait_seconds_count", lane="PAID_SHARED")
+             for f in (before, after)]
+    assert waits[1] - waits[0] == 3
+    assert after["aivedio_queue_wait_seconds"].type == "histogram"
+    inf = _value(after, "aivedio_queue_wait_seconds", "aivedio_queue_wait_seconds_bucket", lane="PAID_SHARED", le="+Inf")
+    assert inf == waits[1]
+    # the tick's gauges: queued tasks and units, units in use and utilisation per lane
+    assert "aivedio_queue_depth_tasks" in after and "aivedio_lane_utilisation_ratio" in after
+
+
+def test_a_scrape_merges_every_serve_process(tmp_path, monkeypatch):
+    """Under `serve --api-workers N` any worker answers /metrics: it adds the other processes'
+    counters and histograms to its own and takes each gauge's latest value."""
+    other = {"series": [["Claims", [["lane", "STANDARD"]], 5.0, None],
+                        ["QueueDepthTasks", [["lane", "STANDARD"]], 7.0, 4102444800.0]],  # set "later" than ours
+             "histograms": [["QueueWaitSeconds", [["lane", "STANDARD"]], [1.0] + [0.0] * 11 + [0.5]]]}
+    (tmp_path / "999999.json").write_text(json.dumps(other))
+    (tmp_path / "999998.json").write_text("{not json")  # one being replaced right now is skipped
+    monkeypatch.setattr(prometheus, "_share_dir", str(tmp_path))
+    base = {f.name: f for f in text_string_to_metric_families(prometheus.render().decode())}
+    publish(mc.CLAIMS, 2, lane="STANDARD")
+    publish(mc.QUEUE_DEPTH_TASKS, 3, lane="STANDARD")
+    merged = {f.name: f for f in text_string_to_metric_families(prometheus.render().decode())}
+    assert _value(merged, "aivedio_claims", "aivedio_claims_total", lane="STANDARD") == \
+        _value(base, "aivedio_claims", "aivedio_claims_total", lane="STANDARD") + 2
+    assert _value(base, "aivedio_claims", "aivedio_claims_total", lane="STANDARD") >= 5  # the other file's 5
+    assert _value(merged, "aivedio_queue_depth_tasks", "aivedio_queue_depth_tasks", lane="STANDARD") == 7
+    assert _value(merged, "aivedio_queue_wait_seconds", "aivedio_queue_wait_seconds_bucket", lane="STANDARD",
+                  le="1.0") >= 1

@@ -15,13 +15,14 @@ import json
 from typing import Any
 
 from aivedio.admission.decisions import database_unavailable
-from aivedio.auth import Caller, authenticate
+from aivedio.auth import Caller, authenticate, cached_caller
 from aivedio.db.pool import UNAVAILABLE
 from aivedio.context import get_platform
 from aivedio.errors import Unauthenticated
 from functions.api.errors import field_errors
 
-PUBLIC_PREFIXES = ("/healthz", "/openapi.json", "/swagger", "/v1/providers/")
+# /v1/media/: the outputs' signed URLs (functions/api/routes/media.py), whose signature is the credential.
+PUBLIC_PREFIXES = ("/healthz", "/openapi.json", "/swagger", "/v1/providers/", "/v1/media/")
 BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
@@ -85,9 +86,12 @@ def gate(app, event: dict) -> dict | None:
     if path.startswith(PUBLIC_PREFIXES) or not _routed(app, (event.get("httpMethod") or "").upper(), path):
         return None
     headers = {k.lower(): v for k, v in (event.get("headers") or {}).items()}
+    ttl = platform.config.limits.api_key_cache_seconds
     try:
-        with platform.db.connection(timeout=platform.config.limits.api_database_wait_seconds) as conn:
-            caller = authenticate(conn, headers.get("authorization"))
+        caller = cached_caller(headers.get("authorization"), ttl)
+        if caller is None:
+            with platform.db.connection(timeout=platform.config.limits.api_database_wait_seconds) as conn:
+                caller = authenticate(conn, headers.get("authorization"), cache=ttl > 0)
     except Unauthenticated as e:
         return _reply(401, "UNAUTHENTICATED", e.message)
     except UNAVAILABLE:  # PostgreSQL down: fail closed, and fast (ch. 18.18, 20.12.1)

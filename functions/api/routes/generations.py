@@ -73,7 +73,7 @@ def create_quote(body: GenerationRequest):
 def get_generation(task_id: str) -> TaskView:
     platform = get_platform()
     with platform.db.connection() as conn:
-        return TaskView(**views.get_task(conn, caller_of(router).tenant_id, _task_id(task_id)))
+        return TaskView(**views.get_task(conn, caller_of(router).tenant_id, _task_id(task_id), platform=platform))
 
 
 @router.get("/v1/generations", tags=["generations"], summary="The tenant's tasks, newest first", security=BEARER,

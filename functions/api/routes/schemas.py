@@ -120,10 +120,28 @@ class TaskSummary(BaseModel):
     error: TaskError | None = None
 
 
+class WaitingPosition(BaseModel):
+    rank_in_tenant_lane: int  # 1: the tenant's next task in its lane
+    tenant_tasks_ahead: int
+    tenant_queued_tasks: int
+    level: Literal["LOW", "MEDIUM", "HIGH"]
+
+
+class Waiting(BaseModel):
+    """Why a QUEUED task waits (aivedio.scheduling.why_waiting), for the tenant's own tasks only."""
+
+    binding_limit: str  # USER_RUNNING_TASKS, TENANT_RUNNING_UNITS, LANE_CAPACITY, PROVIDER_SLOTS, BUDGET, NOT_YET_ELIGIBLE, FAIR_SHARE_TURN, ...
+    detail: dict[str, Any]
+    position: WaitingPosition
+    estimated_start_at: str | None = None
+    estimated_start_seconds: int | None = None
+
+
 class TaskView(TaskSummary):
     attempts: list[AttemptView]
     charge: ChargeView | None = None
     outputs: list[OutputView]
+    waiting: Waiting | None = None  # only while QUEUED
 
 
 class TaskList(BaseModel):

@@ -52,6 +52,9 @@ def register(sub) -> None:
     c.add_argument("--config", default=None)
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=_tenant_create)
+    from aivedio.admin import policy_cli  # admin tenant policy show|set (issue 16)
+
+    policy_cli.register(tenant)
 
     from aivedio.billing.cli import _common, register_admin  # refunds, compensation, wallets, budgets, costs (issue 6)
 
@@ -77,3 +80,8 @@ def register(sub) -> None:
     register_review(admin)
     from aivedio.admin import dead_letters_cli  # outbox and SQS dead letters (issue 12)
     dead_letters_cli.register(admin)
+    # The operator plane (issue 16): operators' tokens and the audit chain, capacities and switches.
+    from aivedio.admin import capacity_cli, operators_cli
+
+    operators_cli.register(admin)
+    capacity_cli.register(admin)

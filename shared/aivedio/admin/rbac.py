@@ -1,7 +1,9 @@
 """Operator roles for the admin commands, and the audit log they write (ch. 20.13.2, 20.13.5).
 
-An operator is a name (the CLI uses `cli:<os user>` unless --operator says otherwise). Roles are
-rows of operator_role; what a role may do is the table below. Every admin write checks its
+An operator is a name (the CLI uses `cli:<os user>` unless --operator says otherwise). Legacy roles
+(uppercase) are rows of operator_role; the operator plane's roles (viewer, operator, finance, admin)
+belong to operator accounts with admin tokens (aivedio.admin.operators, audited as `op:<name>`).
+What a role may do is the table below. Every admin write checks its
 permission inside its own transaction and appends an audit_log row in that same transaction, so an
 operation and its audit record exist together or not at all. A refused operation writes nothing.
 
@@ -18,7 +20,22 @@ import psycopg
 from aivedio.billing.errors import PermissionDenied
 from aivedio.errors import InvalidRequest
 
-ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
+# The operator plane's roles (issue 16, contracts/admin-api.md), lowercase beside the legacy ones. An API
+# operator (aivedio.admin.operators) has exactly one of them; the admin API checks it with allowed().
+READ_PERMISSIONS = frozenset({
+    "tenant.read", "policy.read", "audit.read", "lane.read", "capacity.read", "review.read", "outbox.read",
+    "costs.read", "wallet.check", "dashboard.read", "fair_share.read", "price.read", "budget.read", "invoice.read",
+    "switch.read"})
+OPERATOR_PERMISSIONS = frozenset({
+    "policy.write", "capacity.write", "switch.write", "review.resolve", "outbox.redrive", "queue.redrive",
+    "counters.repair", "redis.rebuild", "maintenance.run"})
+FINANCE_PERMISSIONS = frozenset({
+    "refund.create", "refund.approve", "refund.reject", "compensation.request", "compensation.approve",
+    "compensation.reject", "budget.manage", "contract_budget.manage", "price.write", "invoice.reconcile",
+    "invoice.resolve", "invoice.close", "wallet.rebuild", "wallet.unfreeze"})
+ADMIN_ONLY_PERMISSIONS = frozenset({"operator.manage", "tenant.manage", "audit.verify"})
+
+LEGACY_ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
     "BILLING_ADMIN": frozenset({"refund.create", "refund.approve", "refund.reject", "compensation.request",
                                 "compensation.approve", "compensation.reject", "wallet.check", "wallet.rebuild",
                                 "wallet.unfreeze", "ledger.correct", "budget.manage",
@@ -36,11 +53,36 @@ ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
                                    "wallet.check", "invoice.reconcile", "invoice.resolve", "invoice.close"}),
     "AUDITOR": frozenset({"costs.read", "wallet.check", "review.read", "outbox.read"}),
 }
-ROLES = tuple(ROLE_PERMISSIONS)
+ROLES = tuple(LEGACY_ROLE_PERMISSIONS)  # what `admin operator grant` gives (rows of operator_role)
+
+OPERATOR_ROLES = ("viewer", "operator", "finance", "admin")
+NEW_ROLE_PERMISSIONS: dict[str, frozenset[str]] = {
+    "viewer": READ_PERMISSIONS,
+    "operator": READ_PERMISSIONS | OPERATOR_PERMISSIONS,
+    "finance": READ_PERMISSIONS | FINANCE_PERMISSIONS,
+}
+# admin: every permission any role has (legacy ones included), plus the admin-only ones.
+NEW_ROLE_PERMISSIONS["admin"] = frozenset().union(
+    *NEW_ROLE_PERMISSIONS.values(), *LEGACY_ROLE_PERMISSIONS.values(), ADMIN_ONLY_PERMISSIONS)
+
+ROLE_PERMISSIONS: dict[str, frozenset[str]] = {**LEGACY_ROLE_PERMISSIONS, **NEW_ROLE_PERMISSIONS}
+ALL_PERMISSIONS = NEW_ROLE_PERMISSIONS["admin"]
+
+
+def allowed(role: str, permission: str) -> bool:
+    """May an operator of this role do this? (The admin API's check; an unknown role may do nothing.)"""
+    return permission in ROLE_PERMISSIONS.get(role, frozenset())
+
+
+# An API operator's audit name is "op:<name>" (aivedio.admin.operators.Operator.audit_name); a CLI
+# --operator naming it gets that operator's role while the account is active.
+ROLES_OF = """select role from operator_role where operator = %(name)s
+              union
+              select role from operator_account where 'op:' || name = %(name)s and revoked_at is null"""
 
 
 def roles_of(conn: psycopg.Connection, operator: str) -> set[str]:
-    return {r["role"] for r in conn.execute("select role from operator_role where operator = %s", (operator,)).fetchall()}
+    return {r["role"] for r in conn.execute(ROLES_OF, {"name": operator}).fetchall()}
 
 
 def can(conn: psycopg.Connection, operator: str, permission: str) -> bool:
@@ -55,19 +97,26 @@ def require(conn: psycopg.Connection, operator: str, permission: str) -> None:
                                details={"operator": operator, "permission": permission})
 
 
-def audit(conn: psycopg.Connection, *, operator: str, action: str, target: str, tenant_id: UUID | None = None,
-          old: Any = None, new: Any = None, reason: str | None = None) -> None:
-    conn.execute(
-        """insert into audit_log (tenant_id, operator, action, target, old_value, new_value, reason)
-           values (%s, %s, %s, %s, %s, %s, %s)""",
-        (tenant_id, operator, action, target, None if old is None else json.dumps(old, default=str),
-         None if new is None else json.dumps(new, default=str), reason),
-    )
+INSERT_AUDIT = """insert into audit_log (tenant_id, operator, action, target, old_value, new_value, reason, policy_version)
+                  values (%s, %s, %s, %s, %s, %s, %s, %s)"""
+
+
+def audit(conn: psycopg.Connection, *, operator: str, action: str, target: str | None, tenant_id: UUID | None = None,
+          old: Any = None, new: Any = None, reason: str | None = None, policy_version: int | None = None) -> None:
+    """Append one audit_log row in the caller's transaction (the chain trigger of migration 0150 links it)."""
+    conn.execute(INSERT_AUDIT, (tenant_id, operator, action, target, None if old is None else json.dumps(old, default=str),
+                                None if new is None else json.dumps(new, default=str), reason, policy_version))
+
+
+def audit_denied(platform, *, operator: str, action: str, target: str | None, reason: str) -> None:
+    """A refused attempt, audited in a transaction of its own: the refused request writes nothing else."""
+    platform.db.transaction(lambda conn: audit(conn, operator=operator, action=f"{action}.denied", target=target,
+                                               new={"outcome": "DENIED", "action": action}, reason=reason))
 
 
 def grant(conn: psycopg.Connection, *, operator: str, grantee: str, role: str) -> bool:
     """Give `grantee` a role. True when it is new."""
-    if role not in ROLE_PERMISSIONS:
+    if role not in LEGACY_ROLE_PERMISSIONS:  # the lowercase roles belong to operator accounts (operators.py)
         raise InvalidRequest("unknown role", {"role": f"one of {', '.join(ROLES)}"})
     if not grantee:
         raise InvalidRequest("grantee is required", {"grantee": "an operator name"})

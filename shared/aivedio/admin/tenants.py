@@ -62,28 +62,58 @@ class CreatedTenant:
 
 
 def create_tenant(platform, *, name: str, service_class: str, weight: int, credits: int = 0,
-                  account_type: str = "PREPAID", operator: str = "cli", policy_overrides: dict | None = None) -> CreatedTenant:
+                  account_type: str = "PREPAID", operator: str = "cli", policy_overrides: dict | None = None,
+                  trusted: bool = False) -> CreatedTenant:
+    """Create a tenant with the class's default policy and `policy_overrides` over it. The policy is
+    held to the rules of a policy change (admin.policy: each column's type and bounds, the caps'
+    order, reserved_units within the lane's capacity in force), so a created policy can be changed
+    later; a bad one raises InvalidRequest naming each field (policy.<column>), having written
+    nothing. `trusted`: no policy validation, for the platform's own fixtures only (the simulator
+    and the tests, whose policies open limits far past an operator's bounds or reserve more than a
+    small test lane holds); the admin API and the CLI never pass it."""
+    from aivedio.admin import policy as policies
+
     bad = {}
-    if not name or len(name) > 128:
+    if not isinstance(name, str) or not name or len(name) > 128:
         bad["name"] = "1 to 128 characters"
     if service_class not in SERVICE_CLASSES:
         bad["service_class"] = f"one of {', '.join(SERVICE_CLASSES)}"
-    if weight < 1 or weight > 1000:
+    if type(weight) is not int or weight < 1 or weight > 1000:
         bad["weight"] = "an integer from 1 to 1000"
-    if credits < 0:
-        bad["credits"] = "must not be negative"
+    if type(credits) is not int or credits < 0:
+        bad["credits"] = "a non-negative integer"
     if account_type not in ACCOUNT_TYPES:
         bad["account_type"] = f"one of {', '.join(ACCOUNT_TYPES)}"
-    policy = {**POLICY_DEFAULTS.get(service_class, {}), **(policy_overrides or {})}
-    unknown = set(policy_overrides or {}) - set(POLICY_DEFAULTS["STANDARD"]) - {"burst_rounds", "initial_burst_credit"}
+    if policy_overrides is not None and not isinstance(policy_overrides, dict):
+        bad["policy"] = "an object of column: value"
+        policy_overrides = None
+    overrides = dict(policy_overrides or {})
+    unknown = set(overrides) - set(POLICY_DEFAULTS["STANDARD"]) - {"burst_rounds", "initial_burst_credit"}
     if unknown:
         bad["policy"] = f"unknown policy keys: {sorted(unknown)}"
+    if overrides and not trusted:
+        _, wrong = policies.check_changes({k: v for k, v in overrides.items() if k not in unknown})
+        bad.update({f"policy.{k}": why for k, why in wrong.items() if k != "changes"})
     if bad:
         raise InvalidRequest("invalid tenant", bad)
+    policy = {**POLICY_DEFAULTS.get(service_class, {}), **overrides}
     policy.setdefault("burst_rounds", 4)
     policy.setdefault("initial_burst_credit", initial_burst_credit(platform.config, weight))
 
+    def check(conn) -> None:
+        """The whole policy against the rules of a change, and reserved_units against the lanes in
+        force, read under the policy-set lock that a lane's capacity change takes too."""
+        conn.execute(policies.POLICY_SET_LOCK)
+        lanes = policies.lanes_in_force(platform, conn)
+        wrong = policies.validate({"service_class": service_class, "weight": weight, **policy}, lanes=lanes,
+                                  changed=set(overrides))
+        if wrong:
+            fields = {(k if k in ("service_class", "weight") else f"policy.{k}"): why for k, why in wrong.items()}
+            raise InvalidRequest(f"invalid tenant policy: {', '.join(sorted(fields))}", fields)
+
     def tx(conn) -> CreatedTenant:
+        if not trusted:
+            check(conn)
         now = platform.clock.now()
         row = conn.execute("insert into tenant (name, service_class) values (%s, %s) on conflict (name) do nothing returning tenant_id",
                            (name, service_class)).fetchone()
@@ -128,3 +158,29 @@ def grant_credits(conn, wallet: dict, amount: int, *, kind: str, business_key: s
     return post(conn, wallet=wallet, business_key=business_key, event_type="GRANT",
                 entries=[Entry("AVAILABLE", amount, lot_id), Entry("ISSUED", -amount, lot_id)],
                 metadata={"kind": kind})
+
+
+# --- the admin API's tenant list (contracts/admin-api.md) -------------------------------------------------
+
+# The policy in force names the tenant's class and weight (a policy change moves them, not tenant's row).
+LIST_TENANTS = """
+select t.tenant_id, t.name, t.status, t.created_at, p.service_class, p.weight, p.policy_version
+  from tenant t
+  join tenant_scheduling_policy p on p.tenant_id = t.tenant_id
+ where %(after_ts)s::timestamptz is null or (t.created_at, t.tenant_id) > (%(after_ts)s, %(after_id)s::uuid)
+ order by t.created_at, t.tenant_id
+ limit %(limit)s
+"""
+
+
+def list_tenants(conn, *, limit: int, cursor: str | None = None) -> dict:
+    """Tenants, oldest first, a page of `limit` after `cursor` (views.encode_cursor of the last one)."""
+    from aivedio.views import decode_cursor, encode_cursor
+
+    after_ts, after_id = decode_cursor(cursor) if cursor else (None, None)
+    rows = conn.execute(LIST_TENANTS, {"after_ts": after_ts, "after_id": after_id, "limit": limit + 1}).fetchall()
+    page = rows[:limit]
+    return {"items": [{"tenant_id": str(r["tenant_id"]), "name": r["name"], "service_class": r["service_class"],
+                       "weight": r["weight"], "policy_version": r["policy_version"], "status": r["status"],
+                       "created_at": r["created_at"].isoformat()} for r in page],
+            "next_cursor": encode_cursor(page[-1]["created_at"], page[-1]["tenant_id"]) if len(rows) > limit else None}

@@ -15,6 +15,8 @@ Across processes:
   stays the safety net.
 - /healthz: a worker answers with the main process's loop status, which the main process writes
   to a small JSON file about twice a second.
+- /metrics: every process shares its series through files in one directory, and the worker that
+  answers a scrape merges them (aivedio.local.prometheus.share), so the loops' counters show too.
 - supervision: a worker that dies is logged and started again; more than RESTARTS_PER_MINUTE
   deaths in a minute make `serve` exit loudly (WorkerCrashLoop). SIGINT/SIGTERM to the main
   process terminates and joins every worker; workers ignore SIGINT (a terminal's Ctrl-C reaches
@@ -149,17 +151,17 @@ class WorkerSpec:
     provider_base_urls: dict[str, str] | None
     callback_base_url: str | None
     status_path: str
+    metrics_dir: str | None = None  # aivedio.local.prometheus.share: every process's series, merged per scrape
 
 
 def worker_main(index: int, spec: WorkerSpec, events: Any) -> None:
-    """A worker process's body: the API handler behind LambdaHttpServer until SIGTERM."""
+    """A worker process's body: the API handlers (tenant and admin) behind LambdaHttpServer until SIGTERM."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when workers stop
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s api-worker-{index}[%(process)d] %(name)s %(message)s")
     from aivedio.context import build_platform, set_platform
-    from aivedio.local.http_server import LambdaHttpServer
-    from aivedio.local.runtime import API_HANDLER, load_handler
+    from aivedio.local.runtime import api_server
 
     platform = server = None
     try:
@@ -172,7 +174,11 @@ def worker_main(index: int, spec: WorkerSpec, events: Any) -> None:
         if spec.callback_base_url:
             platform.extras["callback_base_url"] = spec.callback_base_url
         set_platform(platform)
-        server = LambdaHttpServer((spec.host, spec.port), load_handler(API_HANDLER), function_name="aivedio-api", reuse_port=True)
+        if spec.metrics_dir:
+            from aivedio.local import prometheus
+
+            prometheus.share(spec.metrics_dir)
+        server = api_server(spec.host, spec.port, reuse_port=True)
         server.start()
     except BaseException as e:  # noqa: BLE001 - reported to the main process, which decides
         events.put(("failed", index, os.getpid(), repr(e)))
@@ -240,7 +246,8 @@ class ApiWorkers:
                 settings=self.settings, config_json=self.config.model_dump(mode="json"), host=self.host, port=self.port,
                 loop_names=tuple(p.extras.get("wake", {})), provider_base_urls=p.extras.get("provider_base_urls"),
                 callback_base_url=p.extras.get("callback_base_url"),
-                status_path=os.path.join(self._status_dir, "loop_status.json"))
+                status_path=os.path.join(self._status_dir, "loop_status.json"),
+                metrics_dir=self._share_metrics())
             self._write_status()
             for target, name in ((self._read_events, "api-worker-events"), (self._publish_status, "api-worker-status")):
                 t = threading.Thread(target=target, name=name, daemon=True)
@@ -265,6 +272,14 @@ class ApiWorkers:
         finally:
             reserved.close()
         return self
+
+    def _share_metrics(self) -> str:
+        """The main process's loops count claims, relays and repairs: share them with the workers."""
+        from aivedio.local import prometheus
+
+        directory = os.path.join(self._status_dir, "metrics")
+        prometheus.share(directory)
+        return directory
 
     def _spawn(self, index: int) -> None:
         proc = self._ctx.Process(target=worker_main, args=(index, self._spec, self._events), name=f"aivedio-api-{index}",

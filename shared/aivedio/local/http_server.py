@@ -6,14 +6,19 @@ raises or returns something that is not a proxy response. Each request is invoke
 thread, concurrently, as API Gateway would spread them over several Lambda environments: a handler
 served here keeps no per-request state in shared places (the `api` handler's resolver keeps it per
 thread, functions/api/resolver.py), so one slow request (an input probe waiting on a slow server)
-never holds up the others."""
+never holds up the others.
+
+One server can stand in for several API Gateway APIs on one port: `mounts` send a path under
+one of their prefixes to another handler (`aivedio serve` sends /admin/... and /dashboard to the
+admin API's), every other path goes to the main handler."""
 from __future__ import annotations
 
 import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,10 +32,26 @@ MAX_BODY_BYTES = 10 * 1024 * 1024  # API Gateway's payload quota
 LambdaHandler = Callable[[dict, Any], Any]
 
 
+@dataclass(frozen=True)
+class Mount:
+    """Paths under `prefixes` (each matched on a segment boundary: "/admin" takes /admin and
+    /admin/v1/..., not /administer) go to `lambda_handler`, invoked as `function_name`."""
+
+    prefixes: tuple[str, ...]
+    lambda_handler: LambdaHandler
+    function_name: str
+
+    def takes(self, path: str) -> bool:
+        return any(path == p or path.startswith(p + "/") for p in self.prefixes)
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, like API Gateway
     server_version = "aivedio-local"
     timeout = 120  # an idle keep-alive connection frees its thread after this
+    # TCP_NODELAY: a reply is two writes (headers, then body); with Nagle's algorithm the body waited
+    # for the client's delayed ACK of the headers, about 40 ms on every keep-alive request.
+    disable_nagle_algorithm = True
     server: "LambdaHttpServer"
 
     def __getattr__(self, name: str):
@@ -93,15 +114,16 @@ class _Handler(BaseHTTPRequestHandler):
         event = apigw.to_event(
             self.command, url.path, url.query, self.headers.items(), body, source_ip=self.client_address[0]
         )
-        ctx = FakeLambdaContext(self.server.function_name)
+        handler, function_name = self.server.handler_for(url.path)
+        ctx = FakeLambdaContext(function_name)
         try:
-            result = self.server.lambda_handler(event, ctx)
+            result = handler(event, ctx)
             resp = apigw.from_response(result)
         except apigw.MalformedProxyResponse as e:
-            log.error("%s returned a malformed proxy response: %s", self.server.function_name, e)
+            log.error("%s returned a malformed proxy response: %s", function_name, e)
             resp = apigw.gateway_error(502, "INTERNAL", "Internal server error")
         except Exception:
-            log.exception("%s raised", self.server.function_name)
+            log.exception("%s raised", function_name)
             resp = apigw.gateway_error(502, "INTERNAL", "Internal server error")
         self._reply(resp)
 
@@ -129,12 +151,20 @@ class LambdaHttpServer(ThreadingHTTPServer):
     request_queue_size = 1024
 
     def __init__(self, address: tuple[str, int], lambda_handler: LambdaHandler, function_name: str = "aivedio-api",
-                 reuse_port: bool = False):
+                 reuse_port: bool = False, mounts: Sequence[Mount] = ()):
         self.lambda_handler = lambda_handler
         self.function_name = function_name
+        self.mounts = tuple(mounts)
         self.reuse_port = reuse_port
         self._thread: threading.Thread | None = None
         super().__init__(address, _Handler)
+
+    def handler_for(self, path: str) -> tuple[LambdaHandler, str]:
+        """The handler a path goes to, and the function name it is invoked as."""
+        for mount in self.mounts:
+            if mount.takes(path):
+                return mount.lambda_handler, mount.function_name
+        return self.lambda_handler, self.function_name
 
     def server_bind(self) -> None:
         # Several API worker processes listen on one port and the kernel spreads connections

@@ -8,20 +8,36 @@ go to CloudWatch as EMF instead; this module is local-only (aivedio.local is lef
 Lambda layer), and prometheus_client is a `local` extra, never a runtime dependency.
 
 It answers only loopback clients: the local API port may be reachable from a LAN, the counters
-are for the developer at the machine."""
+are for the developer at the machine.
+
+With `aivedio serve --api-workers N` the loops run in the main process and the API in N workers,
+each with its own counters, and any worker may answer a scrape. So every process of the serve
+writes its series to `<dir>/<pid>.json` about once a second (share()), and a scrape merges its
+own live series with the others' files: counters and histograms are summed (a dead worker's file
+stays, so a total never goes back), a gauge takes the value set last, whichever process set it,
+as prometheus_client's own multiprocess mode does with files."""
 from __future__ import annotations
 
 import ipaddress
+import json
+import logging
+import os
 import re
+import threading
+from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from aivedio import metrics_catalog as mc
 from aivedio.observability import metrics
 
+log = logging.getLogger(__name__)
+
 PATH = "/metrics"
 PREFIX = "aivedio_"
+SHARE_SECONDS = 1.0
+_share_dir: str | None = None
 
 
 def prometheus_name(spec: mc.MetricSpec) -> str:
@@ -38,13 +54,59 @@ def _scale(spec: mc.MetricSpec) -> float:
     return 0.01 if spec.unit == "Percent" else 1.0
 
 
+Key = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def _merged() -> tuple[dict[Key, float], dict[Key, list[float]]]:
+    """This process's series and histograms, plus the other serve processes' shared files."""
+    series, hists = metrics.series(), metrics.histograms()
+    if _share_dir is None:
+        return series, hists
+    own = metrics.dump()
+    stamps = {(n, tuple(map(tuple, d))): at for n, d, _, at in own["series"]}
+    for f in Path(_share_dir).glob("*.json"):
+        if f.stem == str(os.getpid()):
+            continue
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue  # being replaced right now: its next write is read at the next scrape
+        for n, d, value, at in doc.get("series", []):
+            key = (n, tuple(map(tuple, d)))
+            spec = mc.BY_NAME.get(n)
+            if spec is None:
+                continue
+            if spec.kind == mc.GAUGE:
+                if at is not None and (stamps.get(key) is None or at > stamps[key]):
+                    series[key], stamps[key] = value, at
+            else:
+                series[key] = series.get(key, 0.0) + value
+        for n, d, counts in doc.get("histograms", []):
+            key = (n, tuple(map(tuple, d)))
+            mine = hists.get(key)
+            hists[key] = list(counts) if mine is None else [a + b for a, b in zip(mine, counts)]
+    return series, hists
+
+
 class _Collector:
-    """Reads metrics.series() at each scrape: nothing is kept twice."""
+    """Reads the recorded series at each scrape: nothing is kept twice."""
 
     def collect(self):
-        series = metrics.series()
+        series, hists = _merged()
         for spec in mc.ALL:
             labels = list(spec.dimensions)
+            if spec.kind == mc.HISTOGRAM:
+                family = HistogramMetricFamily(prometheus_name(spec), spec.description, labels=labels)
+                for (name, dims), counts in hists.items():
+                    if name == spec.name:
+                        d = dict(dims)
+                        cumulative, buckets = 0.0, []
+                        for bound, n in zip([*map(str, spec.buckets), "+Inf"], counts[:-1]):
+                            cumulative += n
+                            buckets.append((bound, cumulative))
+                        family.add_metric([d.get(k, "") for k in labels], buckets, counts[-1])
+                yield family
+                continue
             family = (GaugeMetricFamily if spec.kind == mc.GAUGE else CounterMetricFamily)(
                 prometheus_name(spec), spec.description, labels=labels)
             seen = False
@@ -56,6 +118,33 @@ class _Collector:
             if not seen and not labels and spec.kind == mc.COUNTER:
                 family.add_metric([], 0.0)  # a counter nothing incremented yet is a 0, not missing
             yield family
+
+
+def share(directory: str) -> None:
+    """Write this process's series to `directory/<pid>.json` every SHARE_SECONDS, and merge the
+    other processes' files into each scrape (see the module docstring)."""
+    global _share_dir
+    os.makedirs(directory, exist_ok=True)
+    _share_dir = directory
+    path = Path(directory) / f"{os.getpid()}.json"
+
+    def write_forever() -> None:
+        last = None
+        while True:
+            if not path.parent.is_dir():
+                return  # the serve that made the directory stopped and removed it: nothing to share with
+            doc = json.dumps(metrics.dump(), separators=(",", ":"))
+            if doc != last:
+                try:
+                    tmp = path.with_suffix(".tmp")
+                    tmp.write_text(doc)
+                    os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+                    last = doc
+                except OSError as e:
+                    log.warning("metrics not shared with the other serve processes: %s", e)
+            threading.Event().wait(SHARE_SECONDS)
+
+    threading.Thread(target=write_forever, name="metrics-share", daemon=True).start()
 
 
 def render() -> bytes:

@@ -26,13 +26,15 @@ from aivedio.context import Platform, build_platform, set_platform
 from aivedio.db.pool import redact
 from aivedio.local import consumers
 from aivedio.local.apigw import ACCOUNT_ID
-from aivedio.local.http_server import LambdaHttpServer
+from aivedio.local.http_server import LambdaHttpServer, Mount
 from aivedio.local.lambda_context import FakeLambdaContext
 
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]  # shared/aivedio/local/runtime.py -> repo
 API_HANDLER = "functions.api.handler"
+ADMIN_API_HANDLER = "functions.admin_api.handler"
+ADMIN_API_PREFIXES = ("/admin", "/dashboard")  # the admin API's own REST API in AWS (infra_cdk/admin_api.py)
 ATTEMPT_STEP_HANDLER = "functions.attempt_step.handler"
 SCHEDULED_TIMEOUT_SECONDS = 60.0  # the Lambda timeout scheduled handlers get locally
 LOOP_JOIN_SECONDS = 10.0
@@ -49,6 +51,13 @@ def load_handler(module: str, attr: str = "lambda_handler") -> Callable[[dict, A
         sys.path.insert(0, str(REPO_ROOT))
         mod = importlib.import_module(module)
     return getattr(mod, attr)
+
+
+def api_server(host: str, port: int, *, reuse_port: bool = False) -> LambdaHttpServer:
+    """The local API Gateway: the tenant API, with the admin API's paths on the same port."""
+    admin = Mount(ADMIN_API_PREFIXES, load_handler(ADMIN_API_HANDLER), "aivedio-admin-api")
+    return LambdaHttpServer((host, port), load_handler(API_HANDLER), function_name="aivedio-api",
+                            reuse_port=reuse_port, mounts=(admin,))
 
 
 def scheduled_event(rule: str) -> dict[str, Any]:
@@ -212,7 +221,7 @@ class LocalRuntime:
         loops = default_loops(p) if self._loops is None else self._loops
         p.extras["wake"] = {loop.name: threading.Event() for loop in loops}
         if self.serve_api:
-            self.server = LambdaHttpServer((self.host, self.port), load_handler(API_HANDLER), function_name="aivedio-api")
+            self.server = api_server(self.host, self.port)
             self.server.start()
             if p.settings.api_base_url == Settings.model_fields["api_base_url"].default:
                 p.extras["callback_base_url"] = self.server.url  # webhooks come back to this server
@@ -253,6 +262,9 @@ class LocalRuntime:
             if t.is_alive():
                 log.warning("loop %s did not stop within %.0fs", t.loop.name, LOOP_JOIN_SECONDS)
         self._threads = []
+        from aivedio.media.dispatch import stop_local
+
+        stop_local(self.platform)  # the media workers this process started (their jobs go to the reconciler)
         if self.server is not None:
             self.server.stop()
             self.server = None

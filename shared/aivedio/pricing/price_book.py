@@ -2,6 +2,7 @@
 version it came from, and a task settles at that version forever, whatever today's price is."""
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import psycopg
 
 from aivedio.admission.estimates import Estimate
 from aivedio.config import PlatformConfig
+from aivedio.errors import InvalidRequest
 from aivedio.observability import logger
 
 PRODUCT_CODE = "video-generation"
@@ -43,22 +45,31 @@ def _rules_hash(rules: dict) -> str:
 
 def ensure_price_book(conn: psycopg.Connection, config: PlatformConfig, now: datetime) -> UUID:
     """Make the configured prices the active version: reuse it when the rules are unchanged,
-    otherwise close the current version and open a new one. Old versions are never edited."""
+    otherwise close the current version and open a new one. Old versions are never edited.
+    A version an operator created (create_price_version) is kept whatever the config says: once
+    an operator prices the product, the config's [prices] only seed an empty book. A new version
+    ends where an operator's later version begins, so versions never overlap."""
     rules = default_rules(config)
     with conn.transaction():
-        conn.execute("select pg_advisory_xact_lock(hashtext('price_book:' || %s))", (PRODUCT_CODE,))
+        conn.execute(LOCK_PRODUCT, (PRODUCT_CODE,))
         current = active_version(conn, now)
-        if current and _rules_hash(current["rules"]) == _rules_hash(rules):
+        if current and (current.get("created_by") is not None or _rules_hash(current["rules"]) == _rules_hash(rules)):
             return current["price_version_id"]
         if current:
             conn.execute("update price_book set effective_to = %s where price_version_id = %s",
                          (now, current["price_version_id"]))
+        nxt = conn.execute(NEXT_VERSION_FROM, (PRODUCT_CODE, now)).fetchone()["next_from"]
         row = conn.execute(
-            """insert into price_book (product_code, effective_from, currency_or_unit, rules, status)
-               values (%s, %s, %s, %s, 'ACTIVE') returning price_version_id""",
-            (PRODUCT_CODE, now, UNIT, json.dumps(rules)),
+            """insert into price_book (product_code, effective_from, effective_to, currency_or_unit, rules, status)
+               values (%s, %s, %s, %s, %s, 'ACTIVE') returning price_version_id""",
+            (PRODUCT_CODE, now, nxt, UNIT, json.dumps(rules)),
         ).fetchone()
         return row["price_version_id"]
+
+
+LOCK_PRODUCT = "select pg_advisory_xact_lock(hashtext('price_book:' || %s))"
+NEXT_VERSION_FROM = """select min(effective_from) as next_from from price_book
+                        where product_code = %s and status = 'ACTIVE' and effective_from > %s"""
 
 
 def active_version(conn: psycopg.Connection, now: datetime) -> dict | None:
@@ -207,3 +218,168 @@ def quote(version: dict, est: Estimate) -> Quote:
     amount, policy = price(version["rules"], est)
     # Fixed-price products reserve exactly the quote; usage-based ones would reserve a cap above it.
     return Quote(version["price_version_id"], amount, amount, UNIT, policy)
+
+
+# --- operator price versions (issue 16) ---------------------------------------------------------------
+# An operator creates a version effective from a moment (now by default) with the rules of each model
+# given in full or in part: a model or a field left out keeps what the version it follows says (the
+# config's defaults for an empty book). Versions of a product never overlap: the ACTIVE open-ended
+# version in force at effective_from is closed there (its effective_to, the one column besides status
+# that may change), and any other ACTIVE version the new range touches refuses the new one. The past
+# is never rewritten: closing the version in force before now would reprice what was admitted under it.
+
+PRODUCTS = (PRODUCT_CODE,)
+MAX_REASON = 1000
+OVERLAPPING = """select price_version_id, effective_from, effective_to from price_book
+                  where product_code = %(p)s and status = 'ACTIVE'
+                    and (effective_to is null or effective_to > %(from)s)
+                    and (%(to)s::timestamptz is null or effective_from < %(to)s)
+                  order by effective_from"""
+IN_FORCE_AT = """select * from price_book
+                  where product_code = %(p)s and status = 'ACTIVE' and effective_from <= %(at)s
+                    and (effective_to is null or effective_to > %(at)s)
+                  order by effective_from desc limit 1"""
+LATEST_BEFORE = """select * from price_book where product_code = %(p)s and status = 'ACTIVE' and effective_from <= %(at)s
+                    order by effective_from desc limit 1"""
+INSERT_OPERATOR_VERSION = """insert into price_book (product_code, effective_from, effective_to, currency_or_unit, rules,
+                                                     status, created_by, reason)
+                             values (%s, %s, %s, %s, %s, 'ACTIVE', %s, %s) returning *"""
+
+
+def version_doc(row: dict) -> dict:
+    return {"price_version_id": str(row["price_version_id"]), "product_code": row["product_code"],
+            "effective_from": row["effective_from"].isoformat(),
+            "effective_to": row["effective_to"].isoformat() if row["effective_to"] else None,
+            "unit": row["currency_or_unit"], "status": row["status"], "rules": row["rules"],
+            "created_by": row.get("created_by"), "reason": row.get("reason"),
+            "created_at": row["created_at"].isoformat() if row.get("created_at") else None}
+
+
+def _model_rules(config: PlatformConfig, base: dict | None, models: object, bad: dict[str, str]) -> dict:
+    """Every configured model's full rules: `base` (a version's rules, or the config's defaults)
+    with the given fields of each model replaced, each model validated as a ModelPrice."""
+    from pydantic import ValidationError
+
+    from aivedio.billing.policies import POLICIES, UnknownPolicy, resolve
+    from aivedio.config import MODES, RESOLUTIONS, ModelPrice
+
+    start = (base or default_rules(config))["models"]
+    if not isinstance(models, dict):
+        bad["rules.models"] = "an object of model -> price fields"
+        return {}
+    out = {}
+    for m in config.models:
+        merged = {**ModelPrice().model_dump(), **(start.get(m) or config.price_for(m).model_dump())}
+        given = models.get(m, {})
+        if not isinstance(given, dict):
+            bad[f"rules.models.{m}"] = "an object of price fields"
+            continue
+        merged.update(given)
+        try:
+            price = ModelPrice.model_validate(merged)
+        except ValidationError as e:
+            for err in e.errors():
+                bad[".".join(["rules.models", m, *(str(x) for x in err["loc"])])] = err["msg"]
+            continue
+        for field, keys in (("resolution_multiplier_pct", RESOLUTIONS), ("mode_multiplier_pct", MODES)):
+            table = getattr(price, field)
+            if set(table) != set(keys) or any(type(v) is not int or v < 0 for v in table.values()):
+                bad[f"rules.models.{m}.{field}"] = f"a non-negative integer percentage for each of {', '.join(keys)}"
+        try:
+            resolve(price.charge_policy_code)
+        except UnknownPolicy:
+            bad[f"rules.models.{m}.charge_policy_code"] = f"a charge policy: {', '.join(sorted({k.split('@')[0] for k in POLICIES}))}"
+        out[m] = price.model_dump()
+    for m in models:
+        if m not in config.models:
+            bad[f"rules.models.{m}"] = f"unknown model; models are {', '.join(config.models)}"
+    return out
+
+
+def create_price_version(conn: psycopg.Connection, config: PlatformConfig, *, operator: str, effective_from: datetime | None,
+                         models: object, now: datetime, reason: object = None, effective_to: datetime | None = None,
+                         product_code: str = PRODUCT_CODE) -> dict:
+    """A new ACTIVE price version from effective_from (default now) to effective_to (default open).
+    Refused with InvalidRequest naming the field, writing nothing, when the range is empty, starts in
+    the past over a version in force, or overlaps another ACTIVE version of the product other than
+    the open-ended one it supersedes (closed at effective_from). Audited as price.create."""
+    from aivedio.admin import rbac
+
+    bad: dict[str, str] = {}
+    if product_code not in PRODUCTS:
+        bad["product_code"] = f"unknown product; products are {', '.join(PRODUCTS)}"
+    start = effective_from or now
+    if start.tzinfo is None:
+        bad["effective_from"] = "a time with its timezone"
+    if effective_to is not None and (effective_to.tzinfo is None or (start.tzinfo is not None and effective_to <= start)):
+        bad["effective_to"] = "after effective_from, with its timezone"
+    if reason is not None and (not isinstance(reason, str) or not reason.strip()):
+        bad["reason"] = "a non-empty text: why the prices change"
+    elif reason is not None and len(reason) > MAX_REASON:
+        bad["reason"] = f"at most {MAX_REASON} characters"
+    if bad:
+        raise InvalidRequest(f"invalid price version: {', '.join(sorted(bad))}", bad)
+    conn.execute(LOCK_PRODUCT, (product_code,))
+    base = conn.execute(LATEST_BEFORE, {"p": product_code, "at": start}).fetchone()
+    rules = {"rules_version": 1, "models": _model_rules(config, base["rules"] if base else None, models, bad)}
+    superseded = conn.execute(IN_FORCE_AT, {"p": product_code, "at": start}).fetchone()
+    if superseded is not None and (superseded["effective_to"] is not None or superseded["effective_from"] >= start):
+        superseded = None  # only an open-ended version that began before is closed; any other overlaps
+    overlapping = [r for r in conn.execute(OVERLAPPING, {"p": product_code, "from": start, "to": effective_to}).fetchall()
+                   if superseded is None or r["price_version_id"] != superseded["price_version_id"]]
+    if superseded is not None and start < now:
+        overlapping.insert(0, superseded)  # in force since before now: closing it would reprice the past
+        superseded = None
+    if overlapping:
+        o = overlapping[0]
+        span = f"{o['effective_from'].isoformat()} to {o['effective_to'].isoformat() if o['effective_to'] else 'open'}"
+        bad["effective_from"] = (f"overlaps ACTIVE price version {o['price_version_id']} ({span})"
+                                 + ("; a version in force cannot be closed in the past" if o["effective_from"] < now
+                                    and start < now else ""))
+    if bad:
+        raise InvalidRequest(f"invalid price version: {', '.join(sorted(bad))}", bad)
+    if superseded is not None:
+        conn.execute("update price_book set effective_to = %s where price_version_id = %s",
+                     (start, superseded["price_version_id"]))
+    reason = reason.strip() if reason else None
+    row = conn.execute(INSERT_OPERATOR_VERSION, (product_code, start, effective_to, UNIT, json.dumps(rules), operator,
+                                                 reason)).fetchone()
+    doc = version_doc(row)
+    rbac.audit(conn, operator=operator, action="price.create", target=f"price_version:{row['price_version_id']}",
+               old=None if superseded is None else {"price_version_id": str(superseded["price_version_id"]),
+                                                    "effective_to": None},
+               new={"price_version_id": doc["price_version_id"], "product_code": product_code,
+                    "effective_from": doc["effective_from"], "effective_to": doc["effective_to"], "rules": rules,
+                    "supersedes": None if superseded is None else str(superseded["price_version_id"])},
+               reason=reason)
+    return {**doc, "supersedes": None if superseded is None else str(superseded["price_version_id"])}
+
+
+LIST_VERSIONS = """select * from price_book
+                    where (%(p)s::text is null or product_code = %(p)s)
+                      and (%(before_from)s::timestamptz is null
+                           or (effective_from, price_version_id) < (%(before_from)s, %(before_id)s::uuid))
+                    order by effective_from desc, price_version_id desc limit %(limit)s"""
+
+
+def list_price_versions(conn: psycopg.Connection, *, product_code: str | None = None, limit: int = 50,
+                        cursor: str | None = None) -> dict:
+    """Price versions, newest effective_from first: {"items": [...], "next_cursor"} (an opaque cursor)."""
+    if type(limit) is not int or not 1 <= limit <= 500:
+        raise InvalidRequest("invalid limit", {"limit": "from 1 to 500"})
+    before_from = before_id = None
+    if cursor:
+        try:
+            raw = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+            before_from, before_id = datetime.fromisoformat(raw["f"]), str(UUID(raw["id"]))
+        except (ValueError, KeyError, TypeError):
+            raise InvalidRequest("invalid cursor", {"cursor": "a next_cursor this API returned"}) from None
+    rows = conn.execute(LIST_VERSIONS, {"p": product_code, "before_from": before_from, "before_id": before_id,
+                                        "limit": limit + 1}).fetchall()
+    items = [version_doc(r) for r in rows[:limit]]
+    nxt = None
+    if len(rows) > limit:
+        last = rows[limit - 1]
+        nxt = base64.urlsafe_b64encode(json.dumps({"f": last["effective_from"].isoformat(),
+                                                   "id": str(last["price_version_id"])}).encode()).decode().rstrip("=")
+    return {"items": items, "next_cursor": nxt}
