@@ -44,12 +44,17 @@ class FunctionProfile:
     publishes_events: bool = False  # sqs:SendMessage on every event queue (the outbox relay)
     media_read_prefixes: tuple[str, ...] = ()  # s3:GetObject on these key prefixes of the media bucket
     media_write_prefixes: tuple[str, ...] = ()
-    api: bool = False  # fronted by API Gateway
+    media_list_prefixes: tuple[str, ...] = ()  # s3:ListBucket below these prefixes: a missing key is NoSuchKey
+    api: bool = False  # fronted by the tenant API's API Gateway (infra_cdk/api.py)
+    admin_api: bool = False  # fronted by the admin API's own API Gateway (infra_cdk/admin_api.py)
     migrates: bool = False  # invoked by the schema-migration custom resource
     starts_workflow: bool = False  # states:StartExecution on the attempt state machine
     provider_credentials: bool = False  # reads the provider secret: calls providers or verifies their webhooks
     submits_jobs: bool = False  # gives providers a callback URL: the API's own (AIVEDIO_API_BASE_URL)
     archives_invoices: bool = False  # writes and reads the invoice archive (AIVEDIO_INVOICE_BUCKET, Object Lock)
+    # Media jobs on Batch (infra_cdk/media.py; AIVEDIO_MEDIA_BATCH names the queues and definitions):
+    submits_media_jobs: bool = False  # batch:SubmitJob on the media job queues and their job definitions only
+    describes_media_jobs: bool = False  # batch:DescribeJobs (no resource-level permissions exist for it)
 
 
 PROFILES: dict[str, FunctionProfile] = {
@@ -57,8 +62,15 @@ PROFILES: dict[str, FunctionProfile] = {
         "HTTP API behind API Gateway: admission, generations, wallet",
         memory_mb=1024, timeout_seconds=29, database=True, redis=True, api=True, provider_credentials=True,
         # Admission probes input media (aivedio.media.probe): https:// URLs need the internet,
-        # s3:// inputs are read from the media bucket's uploads.
-        internet=True, media_read_prefixes=("inputs/",)),
+        # s3:// inputs are read from the media bucket's uploads. Generations' outputs are presigned
+        # GET URLs of the media bucket's outputs/ (aivedio.media.urls), signed with this role.
+        internet=True, media_read_prefixes=("inputs/", "outputs/")),
+    "admin_api": FunctionProfile(
+        "Admin API behind its own API Gateway: operators, tenants and keys, policies, capacity, reviews, "
+        "refunds; the operations dashboard", memory_mb=1024, timeout_seconds=29, database=True, redis=True,
+        admin_api=True,
+        # Resolving a MANUAL_REVIEW asks the provider for the attempt's job first (aivedio.attempts.review).
+        internet=True, provider_credentials=True),
     # The relay and the tick are continuous schedules (aivedio.events_routing): a run polls until
     # near its timeout, two schedule periods, so a new run starts while the last still polls
     # (infra_cdk/messaging.py checks it). Both wait for wake-ups on Redis between idle polls.
@@ -93,8 +105,19 @@ PROFILES: dict[str, FunctionProfile] = {
         "submits, unsettled terminals, outbox dead letters, parked webhooks, Redis index and counters, invoices",
         # It asks providers (lookups by key, invoices), so it has their credentials; a repair that
         # needs a workflow makes the attempt's lease expire, and the lease scanner starts it.
+        # The media-jobs reconciler asks Batch about RUNNING media jobs past their lease (DescribeJobs)
+        # and completes a finished one from its result.json, as media_events would have.
         timeout_seconds=300, database=True, redis=True, internet=True, provider_credentials=True,
-        archives_invoices=True),
+        archives_invoices=True, describes_media_jobs=True, media_read_prefixes=("outputs/",),
+        media_list_prefixes=("outputs/",)),
+    # The media pipeline in AWS (infra_cdk/media.py): the dispatch schedule submits Batch jobs, the
+    # Batch events' consumer completes them.
+    "media_submit": FunctionProfile(
+        "Media dispatch: claims media jobs whose worker slots fit, submits each to its class's Batch job queue",
+        timeout_seconds=60, database=True, submits_media_jobs=True),
+    "media_events": FunctionProfile(
+        "Consumes Batch Job State Change events of the media job queues: completes each job from its result.json",
+        timeout_seconds=60, database=True, media_read_prefixes=("outputs/",), media_list_prefixes=("outputs/",)),
     "idempotency_purge": FunctionProfile(
         "Deletes idempotency records past their TTL, in batches", timeout_seconds=300, database=True),
     "db_migrate": FunctionProfile(
@@ -185,9 +208,10 @@ class AppFunction(Construct):
             tracing=lambda_.Tracing.ACTIVE,
             environment=env,
         )
-        suppress(self.role, ("AwsSolutions-IAM5", "Lambda ENI management in a VPC and X-Ray PutTraceSegments/"
-                                                  "PutTelemetryRecords support no resource-level permissions, so they "
-                                                  "take Resource '*'; every other statement names its resources.",
+        suppress(self.role, ("AwsSolutions-IAM5", "Lambda ENI management in a VPC, X-Ray PutTraceSegments/"
+                                                  "PutTelemetryRecords and (media functions) batch:DescribeJobs support "
+                                                  "no resource-level permissions, so they take Resource '*'; every other "
+                                                  "statement names its resources.",
                              ["Resource::*"]), children=True)
         suppress(self.function, ("AwsSolutions-L1", f"Pinned to python{layer_build.PYTHON_VERSION}, the version the "
                                                     "shared layer's binary wheels are built for (layers/build.py "

@@ -8,6 +8,9 @@
   StartMessageMoveTask with the operator's credentials: no function is granted anything for it).
   A settlement that waits there is not lost meanwhile: `unsettled-terminals` settles its task
   from PostgreSQL;
+- one SQS queue, with its DLQ, per consumer of AWS events (events_routing.AWS_EVENTS: Batch job
+  state changes), the same in every respect but that an EventBridge rule feeds it (the module
+  that owns those AWS resources adds the rule: infra_cdk/media.py) and the relay never sends there;
 - a catch-all queue ("*") for event types no function consumes yet: the relay publishes them
   there instead of failing them, nobody consumes it, and messages expire after a day or a few;
 - one EventBridge schedule per entry of SCHEDULES, invoking the function asynchronously with no
@@ -56,7 +59,8 @@ class Messaging(Construct):
         self.queues: dict[str, sqs.Queue] = {}  # consumer -> queue
         self.dlqs: dict[str, sqs.Queue] = {}
         queue_urls: dict[str, str] = {}
-        for consumer, event_types in events_routing.consumers().items():
+        outbox_consumers = events_routing.consumers()
+        for consumer, event_types in events_routing.queue_consumers().items():
             fn = functions[consumer]
             dlq = _queue(self, f"{consumer}-dlq", name=f"{stage.prefix}-{consumer}-dlq", retention_days=DLQ_RETENTION_DAYS)
             queue = _queue(self, consumer, name=f"{stage.prefix}-{consumer}", retention_days=stage.queue_retention_days,
@@ -67,7 +71,7 @@ class Messaging(Construct):
                 queue, batch_size=BATCH_SIZE, report_batch_item_failures=True,
                 max_concurrency=max(2, stage.consumer_max_concurrency)))
             self.queues[consumer], self.dlqs[consumer] = queue, dlq
-            for event_type in event_types:
+            for event_type in event_types if consumer in outbox_consumers else ():
                 queue_urls[event_type] = queue.queue_url
 
         self.unrouted = _queue(self, "unrouted", name=f"{stage.prefix}-unrouted",
@@ -79,7 +83,7 @@ class Messaging(Construct):
         for fn in functions:
             if fn.profile.publishes_events:
                 fn.add_environment("AIVEDIO_EVENT_QUEUES", _json(self, queue_urls))
-                for queue in [*self.queues.values(), self.unrouted]:
+                for queue in [*(self.queues[c] for c in outbox_consumers), self.unrouted]:
                     queue.grant_send_messages(fn.role)
 
         self.rules: dict[str, events.Rule] = {}

@@ -1,7 +1,7 @@
 """The VPC: public subnets (NAT only), private subnets with egress (Batch media workers, and
 functions that must fetch from the internet, such as the api probing input URLs), and isolated
 subnets (Aurora, RDS Proxy, Redis, every other function). VPC endpoints for S3 (gateway), SQS,
-Step Functions, Secrets Manager, CloudWatch Logs, CloudWatch Monitoring and X-Ray mean no function
+Step Functions, Secrets Manager, CloudWatch Logs, CloudWatch Monitoring, X-Ray and Batch mean no function
 needs a NAT to reach AWS."""
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ INTERFACE_ENDPOINTS = {
     "Logs": ec2.InterfaceVpcEndpointAwsService.CLOUDWATCH_LOGS,
     "Monitoring": ec2.InterfaceVpcEndpointAwsService.CLOUDWATCH_MONITORING,
     "XRay": ec2.InterfaceVpcEndpointAwsService.XRAY,
+    "Batch": ec2.InterfaceVpcEndpointAwsService.BATCH,  # media jobs: submitted and described from isolated subnets
 }
 
 VPC_CIDR = "10.40.0.0/16"

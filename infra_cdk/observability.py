@@ -3,8 +3,9 @@ Powertools EMF) and from the queues and functions this app creates.
 
 Dashboard: queue depth in units per lane, oldest wait per lane, provider utilisation, admission
 rejections by code, SUBMIT_UNKNOWN count, unreconciled cost, plus outbox backlog, queue and DLQ
-depths, and function errors. Lanes come from aivedio.config.LANES; providers and rejection codes
-are open sets, so their graphs use SEARCH expressions.
+depths, and function errors; then one graph for every other metric of the catalog, so nothing the
+platform emits is missing from it (tests/infra checks this). Lanes come from aivedio.config.LANES;
+providers, codes and the other dimensions are open sets, so their graphs use SEARCH expressions.
 
 Alarms (to one SNS topic, encrypted with a key CloudWatch may use): starvation (a lane's oldest
 wait over its max_wait_seconds), outbox backlog, every DLQ holding a message (its redrive path is
@@ -152,6 +153,7 @@ class Observability(Construct):
             cw.GraphWidget(title="Starvation interventions, reconciliation breaks", width=12,
                            left=[metric(mc.STARVATION_INTERVENTIONS), metric(mc.RECONCILIATION_BREAKS)]),
         )
+        self._catalog_widgets(by_lane)
         if state_machine is not None:
             five = Duration.minutes(5)
             self.dashboard.add_widgets(cw.GraphWidget(
@@ -160,3 +162,24 @@ class Observability(Construct):
                       state_machine.metric_succeeded(period=five, statistic="Sum", label="succeeded"),
                       state_machine.metric_failed(period=five, statistic="Sum", label="failed"),
                       state_machine.metric_timed_out(period=five, statistic="Sum", label="timed out")]))
+
+    # Graphed in the rows above; every other catalog metric gets a graph of its own below.
+    FEATURED = frozenset(spec.name for spec in (
+        mc.QUEUE_DEPTH_UNITS, mc.OLDEST_WAIT_SECONDS, mc.PROVIDER_UTILISATION, mc.ADMISSION_REJECTIONS, mc.SUBMIT_UNKNOWN,
+        mc.UNRECONCILED_COST, mc.OUTBOX_BACKLOG, mc.OUTBOX_DEAD_LETTERS, mc.STARVATION_INTERVENTIONS,
+        mc.RECONCILIATION_BREAKS))
+
+    def _catalog_widgets(self, by_lane) -> None:
+        widgets: list[cw.IWidget] = []
+        for spec in mc.ALL:
+            if spec.name in self.FEATURED:
+                continue
+            if spec.dimensions == ("lane",):
+                left = by_lane(spec)
+            elif spec.dimensions:
+                left = [search(spec, "")]
+            else:
+                left = [metric(spec, label=spec.name)]
+            widgets.append(cw.GraphWidget(title=f"{spec.name} ({spec.statistic})", left=left, width=6, height=5))
+        for i in range(0, len(widgets), 4):
+            self.dashboard.add_widgets(*widgets[i:i + 4])

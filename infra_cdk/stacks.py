@@ -3,7 +3,7 @@
 - `AiVedio-<stage>-Data`: what holds state and changes rarely: the network, Aurora + RDS Proxy,
   Redis, the buckets. Deployed first, retained in prod.
 - `AiVedio-<stage>-App`: what can be replaced at will: the layer and functions, the schema
-  migration, queues and schedules, the API, workflows, Batch, dashboard and alarms.
+  migration, queues and schedules, the tenant and admin APIs, workflows, Batch, dashboard and alarms.
 
 The app stack reads the data stack's values through CloudFormation exports (CDK wires them).
 Security-group rules between the two are created from the app side (`allow_to`), so the data
@@ -18,10 +18,11 @@ from cdk_nag import RegexAppliesTo
 from constructs import Construct
 
 from aivedio.attempts.workflow import STEP_FUNCTION_PLACEHOLDER, definition_json
+from infra_cdk.admin_api import AdminApi
 from infra_cdk.api import Api
 from infra_cdk.data import PROXY_PORT, Buckets, Database, Redis, SchemaMigration
 from infra_cdk.functions import AppFunction, Functions
-from infra_cdk.media import Media
+from infra_cdk.media import Media, list_statement
 from infra_cdk.messaging import Messaging
 from infra_cdk.network import Network
 from infra_cdk.nag import suppress
@@ -48,6 +49,8 @@ def grant_media(fn: AppFunction, bucket: s3.IBucket) -> None:
         fn.role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=reads))
     if writes:
         fn.role.add_to_policy(iam.PolicyStatement(actions=["s3:PutObject", "s3:PutObjectTagging"], resources=writes))
+    for prefix in p.media_list_prefixes:
+        fn.role.add_to_policy(list_statement(bucket, prefix))
     if reads or writes:
         fn.add_environment("AIVEDIO_MEDIA_BUCKET", bucket.bucket_name)
         suppress(fn.role, ("AwsSolutions-IAM5", f"{fn.name} reaches media objects under its key prefixes only "
@@ -129,6 +132,11 @@ class AppStack(Stack):
         self.messaging = Messaging(self, "Messaging", stage=stage, functions=self.functions)
         apis = [fn for fn in self.functions if fn.profile.api]
         self.api = Api(self, "Api", stage=stage, fn=apis[0]) if apis else None
+        admins = [fn for fn in self.functions if fn.profile.admin_api]
+        if admins and self.api is None:
+            raise SystemExit(f"{admins[0].name} serves the admin API, which shares the tenant API's WAF: no function serves the API")
+        self.admin_api = AdminApi(self, "AdminApi", stage=stage, fn=admins[0], web_acl=self.api.web_acl,
+                                  cloud_watch_account=self.api.api.node.try_find_child("Account")) if admins else None
         for fn in self.functions:
             if fn.profile.submits_jobs:  # providers send webhooks to the API's callback route
                 if self.api is None:
@@ -141,6 +149,7 @@ class AppStack(Stack):
                                    substitutions={STEP_FUNCTION_PLACEHOLDER: "attempt_step"})
         self.functions.connect_workflow(self.workflows.state_machine)
         self.media = Media(self, "Media", stage=stage, vpc=vpc, media_bucket=data.buckets.media, render_image=render_image)
+        self.media.connect(self.functions, self.messaging.queues)
         self.observability = Observability(self, "Observability", stage=stage, functions=self.functions,
                                            queues=self.messaging.queues, dlqs=self.messaging.dlqs,
                                            state_machine=self.workflows.state_machine)

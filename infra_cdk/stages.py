@@ -45,14 +45,18 @@ class StageConfig:
     api_burst_limit: int
     api_quota_per_day: int
     waf_rate_limit_per_ip: int  # requests per 5 minutes per client IP
+    # the admin API's own stage (infra_cdk/admin_api.py): a few operators and their dashboards
+    admin_api_rate_limit: int = 20
+    admin_api_burst_limit: int = 40
     # functions: reserved concurrency. `api` is capped so a flood of requests cannot take the
     # concurrency the admitted work needs: attempt_step and settlement have their own reservation,
     # and everything unreserved (the reconcilers, consumers) shares what is left of the account's
-    # quota, of which Lambda always keeps UNRESERVED_MINIMUM unreserved.
+    # quota, of which Lambda always keeps UNRESERVED_MINIMUM unreserved. `admin_api` has its own so
+    # operators can act while tenants flood the account's unreserved pool.
     reserved_concurrency: dict[str, int] = field(default_factory=dict)
     account_concurrency: int = 1000  # the account's Lambda concurrency quota in the region (default quota)
     consumer_max_concurrency: int = 5  # SQS event source scaling cap per consumer
-    # media: Batch max vCPUs per resource class
+    # media: Batch max vCPUs per media resource class (infra_cdk/media.py MEDIA_CLASSES)
     batch_max_vcpus: dict[str, int] = field(default_factory=dict)
     batch_spot: bool = False
 
@@ -81,9 +85,9 @@ STAGES: dict[str, StageConfig] = {
         invoice_lock_mode="GOVERNANCE", invoice_lock_days=1, queue_retention_days=4, unrouted_retention_days=1,
         api_rate_limit=50, api_burst_limit=100, api_quota_per_day=200_000, waf_rate_limit_per_ip=2000,
         reserved_concurrency={"api": 20, "attempt_step": 20, "settlement": 5, "scheduler_tick": 2,
-                              "scheduler_maintenance": 1, "outbox_relay": 2, "db_migrate": 1},
+                              "scheduler_maintenance": 1, "outbox_relay": 2, "db_migrate": 1, "admin_api": 3},
         consumer_max_concurrency=2,
-        batch_max_vcpus={"video-standard": 32, "video-4k": 16, "video-v2v": 16}, batch_spot=True,
+        batch_max_vcpus={"cpu-proxy": 32, "gpu-render": 16, "gpu-highmem": 16}, batch_spot=True,
     ),
     "prod": StageConfig(
         name="prod", max_azs=3, nat_gateways=2, flow_log_all_traffic=True,
@@ -94,9 +98,9 @@ STAGES: dict[str, StageConfig] = {
         invoice_lock_mode="COMPLIANCE", invoice_lock_days=3653, queue_retention_days=14, unrouted_retention_days=4,
         api_rate_limit=500, api_burst_limit=1000, api_quota_per_day=20_000_000, waf_rate_limit_per_ip=20_000,
         reserved_concurrency={"api": 300, "attempt_step": 400, "settlement": 50, "scheduler_tick": 4,
-                              "scheduler_maintenance": 1, "outbox_relay": 2, "db_migrate": 1},
+                              "scheduler_maintenance": 1, "outbox_relay": 2, "db_migrate": 1, "admin_api": 10},
         consumer_max_concurrency=10,
-        batch_max_vcpus={"video-standard": 512, "video-4k": 256, "video-v2v": 128}, batch_spot=False,
+        batch_max_vcpus={"cpu-proxy": 512, "gpu-render": 256, "gpu-highmem": 128}, batch_spot=False,
     ),
 }
 

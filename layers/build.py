@@ -7,7 +7,7 @@ the Lambda runtime (`pip install --platform ... --implementation cp --python-ver
 --only-binary=:all:`), so the build works on any machine with pip and network access to the
 package index, and never compiles anything. boto3/botocore are left out: the Lambda runtime ships
 them, and they would add ~25 MB. Then shared/aivedio is copied in, less the tools that no function
-runs (DEV_ONLY_MODULES: the local runtime, simulator, bench, demo and CLI).
+runs (DEV_ONLY_MODULES: the local runtime, simulator, bench, demo, chaos runner and CLI).
 
 pip runs only when the dependency list, the Python version or the platforms change (a stamp file
 records them); the package copy is refreshed every time, so `make synth` stays fast.
@@ -43,7 +43,11 @@ PROVIDED_BY_RUNTIME = {"boto3", "botocore"}
 # (tests/infra/test_lambda_cold_start.py) checks that no handler's import graph reaches them.
 DEV_ONLY_MODULES = ("aivedio.local", "aivedio.simulate", "aivedio.bench", "aivedio.demo", "aivedio.cli",
                     "aivedio.admin.cli", "aivedio.billing.cli", "aivedio.reconcile.cli", "aivedio.providers.cli",
-                    "aivedio.providers.simulator")
+                    "aivedio.providers.simulator",
+                    # The chaos suite runs locally only; its safeguards and failpoints modules stay
+                    # in the layer, since the core reads them (inert unless a local run arms them).
+                    *(f"aivedio.chaos.{m}" for m in ("checkers", "cli", "db_faults", "facts", "node", "plan", "proxy",
+                                                     "records", "redis_faults", "redis_server", "runner", "sweep", "workload")))
 LAMBDA_UNZIPPED_LIMIT_BYTES = 250 * 1024 * 1024  # layers and function code together
 
 

@@ -18,8 +18,8 @@ from aivedio.attempts.lifecycle import AttemptRef
 from aivedio.billing import budgets
 from aivedio.billing.settlement import SETTLED_EVENT, settle
 from aivedio.bootstrap import apply_config
-from aivedio.config import (Limits, MaintenanceService, ManualClock, PlatformConfig, ProviderAccount, ProviderConfig,
-                            SimulatorBehaviour, Timers)
+from aivedio.config import (Limits, MaintenanceService, ManualClock, MediaConfig, PlatformConfig, ProviderAccount,
+                            ProviderConfig, SimulatorBehaviour, Timers)
 from aivedio.providers.simulator import SimulatorServer
 from aivedio.providers.webhooks import sign_webhook
 from tests.admission_support import clear_cache, new_tenant
@@ -79,7 +79,8 @@ def review_world(make_platform):
         cfg = PlatformConfig(providers=[pc.model_copy(update={"base_url": sim.base_url})],
                              timers=Timers(lease_seconds=60, unknown_safe_window_seconds=SAFE_WINDOW),
                              limits=Limits(aimd_decrease_pct=50),
-                             maintenance={k: MaintenanceService(**v) for k, v in (maintenance or {}).items()})
+                             maintenance={k: MaintenanceService(**v) for k, v in (maintenance or {}).items()},
+                             media=MediaConfig(enabled=False))  # the review's own path: a success is the task's
         p = make_platform(cfg, clock=clock)
         with p.db.connection() as conn:
             apply_config(conn, p.config, p.clock)

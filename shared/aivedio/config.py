@@ -81,6 +81,16 @@ class SimulatorBehaviour(_Strict):
     # Invoices: a line may be listed twice (same line_id), or only on the next UTC day's invoice.
     invoice_duplicate_rate: float = Field(default=0.0, ge=0, le=1)
     invoice_late_rate: float = Field(default=0.0, ge=0, le=1)
+    # Outputs: a succeeded job's MP4 matches its order (duration, resolution, audio) unless one of these
+    # is drawn for the job (in this order, the first drawn wins); a prompt containing
+    # "[sim:output=<kind>]" forces one for that job (kinds: truncated, empty, not_video,
+    # wrong_duration, wrong_resolution, no_audio).
+    output_truncated_rate: float = Field(default=0.0, ge=0, le=1)  # the MP4 cut in half
+    output_empty_rate: float = Field(default=0.0, ge=0, le=1)  # zero bytes
+    output_not_video_rate: float = Field(default=0.0, ge=0, le=1)  # an HTML page served as video/mp4
+    output_wrong_duration_rate: float = Field(default=0.0, ge=0, le=1)  # half the ordered duration (or +3 s)
+    output_wrong_resolution_rate: float = Field(default=0.0, ge=0, le=1)  # one resolution step off
+    output_no_audio_rate: float = Field(default=0.0, ge=0, le=1)  # no audio track although audio was ordered
     cancellation_fee: str = "0.0500"
     cost_per_second: str = "0.0500"
     currency: str = "USD"
@@ -248,6 +258,9 @@ class Limits(_Strict):
     # REAL seconds an API request waits for a database connection before it answers 503 (well inside
     # API Gateway's 29 s): with PostgreSQL down the API fails closed, and fast.
     api_database_wait_seconds: float = Field(default=3.0, gt=0)
+    # REAL seconds an API process remembers a key that authenticated (aivedio.auth): a revoked key
+    # stops working in other processes within this; 0 reads PostgreSQL on every request.
+    api_key_cache_seconds: float = Field(default=2.0, ge=0, le=30)
     outbox_max_attempts: int = Field(default=10, gt=0)  # then the event is FAILED, for an operator
     model_global_running_cap: int = Field(default=800, gt=0)
     platform_cost_per_minute: int = Field(default=10_000, gt=0)
@@ -290,6 +303,50 @@ class Pools(_Strict):
 
     worker_cpu_units: int = Field(default=400, gt=0)
     worker_gpu_units: int = Field(default=32, gt=0)
+
+
+class MediaLimits(_Strict):
+    """What one media job may take (the worker enforces them; the SPEC carries them). Seconds are
+    REAL seconds: they bound a process, not a platform duration."""
+
+    max_bytes: int = Field(default=2 * 1024 ** 3, gt=0)  # the provider's file, fetched
+    timeout_seconds: float = Field(default=900.0, gt=0)  # the whole job: fetch, probe, transcodes, store
+    disk_quota_bytes: int = Field(default=8 * 1024 ** 3, gt=0)  # the job's temporary directory
+    duration_tolerance_seconds: float = Field(default=1.0, ge=0)  # |probed - ordered| duration
+    resolution_tolerance_ratio: float = Field(default=0.05, ge=0, lt=1)  # of the ordered height
+
+
+class MediaConfig(_Strict):
+    """[media]: the media pipeline (aivedio.media.pipeline, issue 17). A provider's success is
+    fetched, checked and stored by a media worker before the task is SUCCEEDED; `enabled = false`
+    keeps the old path (the provider's success is the task's, with the provider's URL)."""
+
+    enabled: bool = True
+    max_tries: int = Field(default=3, ge=1)  # worker runs per output version; then MEDIA_INGEST_FAILED
+    retry_base_seconds: float = Field(default=10.0, gt=0)  # platform seconds before a retry, doubled per try
+    retry_max_seconds: float = Field(default=300.0, gt=0)
+    # Platform seconds a RUNNING job may go without a word before the media-jobs reconciler looks
+    # at it: the worker's timeout (real seconds, scaled) plus this margin.
+    lease_margin_seconds: float = Field(default=120.0, gt=0)
+    dispatch_seconds: float = Field(default=1.0, gt=0)  # platform seconds between local dispatch loop runs
+    dispatch_batch: int = Field(default=8, gt=0)  # jobs one dispatch may claim
+    # Worker slots per media resource class (ch. 18.5.4): the pools worker:<class>, one shard each.
+    cpu_proxy_units: int = Field(default=8, gt=0)
+    gpu_render_units: int = Field(default=2, gt=0)
+    gpu_highmem_units: int = Field(default=2, gt=0)
+    limits: MediaLimits = Field(default_factory=MediaLimits)
+    # Locally served URLs (GET /v1/media/...): REAL seconds they stay valid, and the key that signs
+    # them: random per process (no default secret), shared with the API worker processes through
+    # the resolved config. In AWS outputs are presigned S3 URLs instead.
+    url_ttl_seconds: int = Field(default=3600, gt=0)
+    url_signing_key: str = Field(default_factory=lambda: secrets.token_urlsafe(32), min_length=16, repr=False)
+    local_dir: Path | None = None  # where local workers store outputs; None: <AIVEDIO_HOME>/media
+    worker_command: list[str] = Field(default_factory=list)  # empty: this Python and containers/gpu-render/worker.py
+    # Media cost attributed to each task (media_cost_event, kinds TRANSCODE and STORAGE), in cost_currency:
+    # per worker-slot unit and second of transcoding, and per GB stored (one month, booked when stored).
+    cost_currency: str = "USD"
+    transcode_cost_per_unit_second: str = Field(default="0.00005", pattern=r"^\d+(\.\d+)?$")
+    storage_cost_per_gb_month: str = Field(default="0.023", pattern=r"^\d+(\.\d+)?$")
 
 
 class SchedulerConfig(_Strict):
@@ -354,6 +411,7 @@ class PlatformConfig(_Strict):
     pools: Pools = Field(default_factory=Pools)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     billing: BillingConfig = Field(default_factory=BillingConfig)
+    media: MediaConfig = Field(default_factory=MediaConfig)
     maintenance: dict[str, MaintenanceService] = Field(default_factory=dict)
 
     @field_validator("maintenance")
@@ -506,6 +564,18 @@ def settings_from_env(environ: dict[str, str] | None = None) -> Settings:
         media_bucket=get("AIVEDIO_MEDIA_BUCKET"),
         invoice_bucket=get("AIVEDIO_INVOICE_BUCKET"),
     )
+
+
+def child_environment(**extra: str) -> dict[str, str]:
+    """The environment of a child process this platform starts (a local media worker): this
+    process's own without the platform's settings (AIVEDIO_*: database URLs, secrets, which a worker
+    has no business with), plus `extra`. Here because no other module reads os.environ."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("AIVEDIO_")}, **extra}
+
+
+def environment_value(name: str) -> str | None:
+    """One variable of this process's environment, for a check that a child will have it."""
+    return os.environ.get(name) or None
 
 
 def _flag(name: str, value: str | None) -> bool:

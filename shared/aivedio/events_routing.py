@@ -14,6 +14,10 @@ timeout of two schedule periods and reserved concurrency for two, so a new run s
 while the last is still polling and one is always in progress. WAKES says which relayed event types
 wake which loop: a terminal task released its capacity, so the tick runs at once.
 
+AWS_EVENTS are the exception to "both runtimes": events an AWS service emits on EventBridge (Batch
+job state changes) that a function consumes from its own SQS queue, with its DLQ, in AWS only;
+each names what does that work locally instead.
+
 A capability that adds a consumer or a periodic job adds one line here, and both places follow.
 One event type has at most one consumer: the relay sends each event to one queue (see
 functions/outbox_relay). Event types nobody consumes go to the catch-all queue in AWS and to no one
@@ -31,6 +35,25 @@ from aivedio.reconcile import room
 class Subscription:
     event_type: str
     consumer: str  # a directory under functions/: its handler.py consumes SQS batches
+
+    @property
+    def module(self) -> str:
+        return f"functions.{self.consumer}.handler"
+
+
+@dataclass(frozen=True)
+class AwsEvents:
+    """An AWS service's EventBridge events, consumed in AWS only: the CDK app makes a rule matching
+    `source`, `detail_type` and `detail` (narrowed further by the app, e.g. to its own resources)
+    that sends them to the consumer's own SQS queue (aivedio-<stage>-<consumer>, DLQ and alarm as
+    for any consumer); its handler consumes SQS batches whose bodies are the EventBridge events."""
+
+    name: str  # the rule: aivedio-<stage>-<name>
+    source: str
+    detail_type: str
+    detail: dict[str, list[str]]
+    consumer: str  # a directory under functions/
+    local: str  # what does the same work under `aivedio serve`, where nothing emits these
 
     @property
     def module(self) -> str:
@@ -63,9 +86,17 @@ SUBSCRIPTIONS: tuple[Subscription, ...] = (
     Subscription("TaskSucceeded", "settlement"),
     Subscription("TaskFailed", "settlement"),
     Subscription("TaskCancelled", "settlement"),
+    Subscription("TaskMediaIngestFailed", "settlement"),
 )
 
 RELAY, TICK = "outbox-relay", "scheduler-tick"
+MEDIA_DISPATCH = "media-dispatch"
+
+# Batch job state changes of the media job queues (infra_cdk/media.py adds the queues' ARNs).
+AWS_EVENTS: tuple[AwsEvents, ...] = (
+    AwsEvents("media-job-state", "aws.batch", "Batch Job State Change", {"status": ["SUCCEEDED", "FAILED"]},
+              "media_events", local="the local media dispatcher completes each job from its worker's stdout"),
+)
 
 
 
@@ -77,6 +108,9 @@ def _maintenance(s: room.Service) -> Schedule:
 SCHEDULES: tuple[Schedule, ...] = (
     Schedule(RELAY, "outbox_relay", lambda c: c.timers.outbox_relay_seconds, 1, continuous=True),
     Schedule(TICK, "scheduler_tick", lambda c: c.timers.scheduler_tick_seconds, 1, continuous=True),
+    # Claims media jobs whose worker slots fit and starts their workers (functions/media_submit): in
+    # AWS Batch jobs, each run claiming until nothing more fits; locally worker subprocesses.
+    Schedule(MEDIA_DISPATCH, "media_submit", lambda c: c.media.dispatch_seconds, 1),
     *(_maintenance(s) for s in room.SERVICES),
 )
 
@@ -88,6 +122,7 @@ WAKES: tuple[Wake, ...] = (
     Wake("TaskSucceeded", TICK),
     Wake("TaskFailed", TICK),
     Wake("TaskCancelled", TICK),
+    Wake("TaskMediaIngestFailed", TICK),
 )
 
 
@@ -112,8 +147,20 @@ def consumers() -> dict[str, tuple[str, ...]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
+def queue_consumers() -> dict[str, tuple[str, ...]]:
+    """Every function that consumes an SQS queue of its own -> what feeds it: the outbox event types
+    it receives, or the AwsEvents names (AWS only)."""
+    return {**consumers(), **{e.consumer: (e.name,) for e in AWS_EVENTS}}
+
+
 def check() -> None:
     """The table's own rules; the CDK app and the tests call it."""
+    outbox_consumers = {s.consumer for s in SUBSCRIPTIONS}
+    for e in AWS_EVENTS:
+        if e.consumer in outbox_consumers:
+            raise ValueError(f"{e.consumer} consumes outbox events and AWS events {e.name!r}: one queue, one feed")
+    if len({e.consumer for e in AWS_EVENTS}) != len(AWS_EVENTS):
+        raise ValueError("two AwsEvents entries share a consumer")
     seen: dict[str, str] = {}
     for s in SUBSCRIPTIONS:
         if s.event_type in seen and seen[s.event_type] != s.consumer:
@@ -121,8 +168,8 @@ def check() -> None:
                              "the outbox relay sends an event to one queue")
         seen[s.event_type] = s.consumer
     names = [s.name for s in SCHEDULES]
-    if len(names) != len(set(names)):
-        raise ValueError("two schedules share a name")
+    if len(names) + len(AWS_EVENTS) != len(set(names) | {e.name for e in AWS_EVENTS}):
+        raise ValueError("two schedules or AWS event rules share a name")
     for s in SCHEDULES:
         if s.aws_every_minutes < 1:
             raise ValueError(f"schedule {s.name}: EventBridge rates are whole minutes")

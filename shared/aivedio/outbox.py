@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from pydantic import BaseModel
 
+from aivedio.chaos import failpoints, safeguards
 from aivedio.events import EventEnvelope
 from aivedio.metrics_catalog import OUTBOX_DELIVERY_ERRORS, OUTBOX_FAILED, OUTBOX_PUBLISHED
 from aivedio.observability import logger, publish
@@ -163,17 +165,18 @@ def write_event(
     if isinstance(payload, BaseModel):
         payload = payload.model_dump(mode="json")
     event_id = uuid.uuid4()
-    conn.execute(
-        INSERT_EVENT,
-        {
-            "event_id": event_id,
-            "event_type": event_type,
-            "aggregate_type": aggregate_type,
-            "aggregate_id": aggregate_id,
-            "tenant_id": tenant_id,
-            "payload": Jsonb(payload),
-        },
-    )
+    params = {
+        "event_id": event_id,
+        "event_type": event_type,
+        "aggregate_type": aggregate_type,
+        "aggregate_id": aggregate_id,
+        "tenant_id": tenant_id,
+        "payload": Jsonb(payload),
+    }
+    if safeguards.broken("publish-in-transaction"):
+        _write_after_commit(conn, INSERT_EVENT, params)
+    else:
+        conn.execute(INSERT_EVENT, params)
     _count_written(1)
     return event_id
 
@@ -185,11 +188,47 @@ def write_events(conn: psycopg.Connection, event_type: str, *, aggregate_type: s
     if not events:
         return []
     ids = [uuid.uuid4() for _ in events]
-    conn.execute(INSERT_EVENTS, {"ids": ids, "types": [event_type] * len(events), "aggregate_types": [aggregate_type] * len(events),
-                                 "aggregate_ids": [e[0] for e in events], "tenants": [e[1] for e in events],
-                                 "payloads": [json.dumps(e[2]) for e in events]})
+    params = {"ids": ids, "types": [event_type] * len(events), "aggregate_types": [aggregate_type] * len(events),
+              "aggregate_ids": [e[0] for e in events], "tenants": [e[1] for e in events],
+              "payloads": [json.dumps(e[2]) for e in events]}
+    if safeguards.broken("publish-in-transaction"):
+        _write_after_commit(conn, INSERT_EVENTS, params)
+    else:
+        conn.execute(INSERT_EVENTS, params)
     _count_written(len(ids))
     return ids
+
+
+# The publish-in-transaction safeguard switched off (a chaos run only): the caller's transaction id,
+# and whether it has committed yet, so its events are written by a transaction of their own after it.
+CURRENT_XACT = "select pg_current_xact_id()::text as xid"
+XACT_STATUS = "select pg_xact_status(%(xid)s::xid8) as status"
+AFTER_COMMIT_POLL_SECONDS = 0.005  # real seconds between looks at the caller's transaction
+
+
+def _write_after_commit(conn: psycopg.Connection, statement: str, params: dict[str, Any]) -> None:
+    """Write the event outside the caller's transaction, once that has committed, as a platform
+    that publishes after its commit would: a crash in between (the after-commit-before-publish
+    failpoint) loses the event while the state it announces stays. A rolled-back caller writes none."""
+    from aivedio.context import get_platform
+
+    with conn.cursor(row_factory=dict_row) as cur:
+        xid = cur.execute(CURRENT_XACT).fetchone()["xid"]
+    db = get_platform().db
+
+    def later() -> None:
+        while True:
+            with db.connection() as c:
+                status = c.execute(XACT_STATUS, {"xid": xid}).fetchone()["status"]
+                if status == "committed":
+                    failpoints.hit("after-commit-before-publish")
+                    c.execute(statement, params)
+                    return
+                if status != "in progress":  # aborted: the state is gone, and its event with it
+                    return
+            time.sleep(AFTER_COMMIT_POLL_SECONDS)
+
+    threading.Thread(target=later, name="outbox-after-commit", daemon=True).start()
 
 
 def envelope_of(row: dict[str, Any]) -> EventEnvelope:
@@ -221,6 +260,7 @@ def relay_once(platform: Platform, deliver: Deliver, batch: int = 100, *, publis
         with conn.cursor(row_factory=dict_row) as cur:
             rows = cur.execute(CLAIM_DUE, {"batch": batch}).fetchall()
             for row in rows:
+                failpoints.hit("after-commit-before-publish")  # its state committed; this event not yet delivered or marked
                 try:
                     deliver(envelope_of(row).to_message())
                 except Exception as e:  # any failure means: not delivered, try again later

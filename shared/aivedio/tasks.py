@@ -1,5 +1,8 @@
 """The task state machine: a table of legal transitions, and CAS writes on (state, version).
-Terminal states never change."""
+Terminal states never change. MEDIA_INGEST_FAILED is terminal: the media pipeline
+(aivedio.media.pipeline) retries a failed worker within the output version's own budget
+(media_job.tries) while the task stays MEDIA_PROCESSING, and ends the task there only once that is
+spent or the media itself is bad."""
 from __future__ import annotations
 
 from datetime import datetime
@@ -12,7 +15,7 @@ STATES = (
     "PROVIDER_SUCCEEDED", "MEDIA_PROCESSING", "SUCCEEDED", "FAILED", "CANCELLED",
     "MEDIA_INGEST_FAILED", "MANUAL_REVIEW",
 )
-TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "MEDIA_INGEST_FAILED"})
 
 TRANSITIONS: dict[str, frozenset[str]] = {
     "QUEUED": frozenset({"DISPATCHING", "CANCELLED", "FAILED"}),
@@ -23,13 +26,14 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     "SUBMITTED": frozenset({"RUNNING", "PROVIDER_SUCCEEDED", "FAILED", "CANCEL_REQUESTED", "CANCELLED", "MANUAL_REVIEW"}),
     "RUNNING": frozenset({"PROVIDER_SUCCEEDED", "FAILED", "CANCEL_REQUESTED", "CANCELLED", "MANUAL_REVIEW"}),
     "SUBMIT_UNKNOWN": frozenset({"SUBMITTED", "RUNNING", "PROVIDER_SUCCEEDED", "FAILED", "QUEUED", "CANCEL_REQUESTED", "MANUAL_REVIEW"}),
-    "CANCEL_REQUESTED": frozenset({"CANCELLED", "PROVIDER_SUCCEEDED", "FAILED", "MANUAL_REVIEW"}),
+    # MEDIA_PROCESSING: a cancel that reached a task whose media worker runs; the provider's job is
+    # done, so the cancel keeps its result and the media step goes on (aivedio.media.pipeline).
+    "CANCEL_REQUESTED": frozenset({"CANCELLED", "PROVIDER_SUCCEEDED", "MEDIA_PROCESSING", "FAILED", "MANUAL_REVIEW"}),
     # A cancel after the provider succeeded, or during review, is recorded as CANCEL_REQUESTED: the
     # attempt workflow then asks the provider and follows its answer (a finished job keeps its
     # result), or hands the task back to review when it cannot decide (aivedio.admission.cancel).
     "PROVIDER_SUCCEEDED": frozenset({"MEDIA_PROCESSING", "SUCCEEDED", "MEDIA_INGEST_FAILED", "CANCEL_REQUESTED"}),
     "MEDIA_PROCESSING": frozenset({"SUCCEEDED", "MEDIA_INGEST_FAILED", "CANCEL_REQUESTED"}),
-    "MEDIA_INGEST_FAILED": frozenset({"MEDIA_PROCESSING", "SUCCEEDED", "FAILED"}),
     # Out of review (aivedio.attempts.review): a job adopted goes to what it proves (SUBMITTED while
     # still queued at the provider), a requeue to QUEUED, a fail to FAILED.
     "MANUAL_REVIEW": frozenset({"QUEUED", "SUBMITTED", "RUNNING", "PROVIDER_SUCCEEDED", "FAILED", "CANCELLED",
@@ -37,6 +41,7 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     "SUCCEEDED": frozenset(),
     "FAILED": frozenset(),
     "CANCELLED": frozenset(),
+    "MEDIA_INGEST_FAILED": frozenset(),
 }
 
 

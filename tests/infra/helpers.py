@@ -104,6 +104,20 @@ def capabilities(template: dict, fn: dict) -> set[str]:
                     "sqs:ReceiveMessage" not in _listify(st["Action"]) else "consume"
                 for r in resources:
                     caps.add(f"{kind}:{queues[_ref_id(r)]}")
+            elif action == "batch:SubmitJob":
+                for r in resources:
+                    target = template["Resources"][_ref_id(r)]
+                    props = target["Properties"]
+                    assert target["Type"] in ("AWS::Batch::JobQueue", "AWS::Batch::JobDefinition"), r
+                    kind = "queue" if target["Type"] == "AWS::Batch::JobQueue" else "definition"
+                    caps.add(f"batch-submit-{kind}:{props.get('JobQueueName') or props.get('JobDefinitionName')}")
+            elif action == "batch:DescribeJobs":
+                assert resources == ["*"], resources  # no resource-level permissions exist for it
+                caps.add("batch-describe")
+            elif action == "s3:ListBucket":
+                assert all("BucketsMedia" in json.dumps(r) for r in resources), resources
+                for prefix in st["Condition"]["StringLike"]["s3:prefix"]:
+                    caps.add(f"s3-list:{prefix.rstrip('*')}")
             elif action in ("s3:GetObject", "s3:PutObject", "s3:PutObjectTagging"):
                 kind = "s3-read" if action == "s3:GetObject" else "s3-write"
                 for r in resources:
@@ -129,8 +143,16 @@ def expected_capabilities(stage: str, name: str, profile: FunctionProfile) -> se
     if profile.publishes_events:
         caps |= {f"send:{queue_name(stage, c)}" for c in events_routing.consumers()}
         caps.add(f"send:{queue_name(stage, 'unrouted')}")
-    if name in events_routing.consumers():
+    if name in events_routing.queue_consumers():
         caps.add(f"consume:{queue_name(stage, name)}")
+    if profile.submits_media_jobs:
+        from infra_cdk.media import MEDIA_CLASSES
+
+        caps |= {f"batch-submit-{kind}:{STAGES[stage].prefix}-{mc.name}" for mc in MEDIA_CLASSES
+                 for kind in ("queue", "definition")}
+    if profile.describes_media_jobs:
+        caps.add("batch-describe")
+    caps |= {f"s3-list:{p}" for p in profile.media_list_prefixes}
     if profile.starts_workflow:
         caps.add(f"start-workflow:{STAGES[stage].prefix}-attempt")
     caps |= {f"s3-read:{p}" for p in profile.media_read_prefixes}

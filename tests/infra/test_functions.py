@@ -171,7 +171,8 @@ def test_only_the_functions_that_talk_to_providers_get_the_provider_secret(synth
             assert secret_id in json.dumps(env["AIVEDIO_PROVIDER_SECRET_ARN"]), name
         else:
             assert "AIVEDIO_PROVIDER_SECRET_ARN" not in env, name
-    assert {n for n, p in PROFILES.items() if p.provider_credentials} == {"api", "attempt_step", "maintenance"}
+    # admin_api: resolving a MANUAL_REVIEW looks the attempt's job up at its provider.
+    assert {n for n, p in PROFILES.items() if p.provider_credentials} == {"api", "attempt_step", "maintenance", "admin_api"}
 
 
 def test_jobs_are_submitted_with_the_apis_own_callback_url(synth, stage):
@@ -219,3 +220,18 @@ def test_a_stage_config_with_a_secret_or_a_simulator_fails_synthesis(tmp_path, t
     f.write_text(text)
     with pytest.raises(SystemExit, match=why):
         validated_config_text(f)
+
+
+def test_no_function_or_batch_job_can_break_a_safeguard_or_arm_a_failpoint(synth):
+    """The chaos suite's switches (aivedio.chaos.safeguards, aivedio.chaos.failpoints) are never set
+    by the deployed platform, in any template of any stage: not on a Lambda, not on a Batch job."""
+    from aivedio.chaos import failpoints, safeguards
+
+    names = (safeguards.BREAK_ENV, safeguards.ALLOW_ENV, failpoints.ENV)
+    templates = sorted(synth.outdir.glob("*.template.json"))
+    assert len(templates) >= 4
+    for path in templates:
+        text = path.read_text()
+        for name in names:
+            assert name not in text, f"{path.name} sets {name}"
+        assert safeguards.ALLOW_VALUE not in text, path.name

@@ -28,7 +28,7 @@ def test_each_queue_consumer_has_a_dlq_and_reports_partial_failures(synth, stage
     queues = _queues(synth, stage)
     by_id = {lid: name for name, (lid, _) in queues.items()}
     mappings = synth.resources(stage, "App", "AWS::Lambda::EventSourceMapping")
-    consumers = events_routing.consumers()
+    consumers = events_routing.queue_consumers()  # outbox events' consumers and AWS events' (Batch)
     assert consumers, "the routing table has consumers"
     for consumer in consumers:
         fn_id = fns[consumer]["logical_id"]
@@ -98,7 +98,7 @@ def test_each_schedule_invokes_its_function(synth, stage):
             assert "Input" not in target, s.name
         else:  # a maintenance service: functions/maintenance runs the service its input names
             assert s.function == "maintenance" and json.loads(target["Input"]) == {"service": s.name}
-    assert len(rules) == len(events_routing.SCHEDULES)
+    assert len(rules) == len(events_routing.SCHEDULES) + len(events_routing.AWS_EVENTS)  # + the AWS events' rules
 
 
 def test_the_local_runtime_reads_the_same_table():

@@ -15,13 +15,13 @@ import pytest
 from aivedio.attempts import callbacks, steps
 from aivedio.attempts.lifecycle import AttemptRef
 from aivedio.bootstrap import apply_config
-from aivedio.config import Limits, PlatformConfig, ProviderAccount, ProviderConfig, SimulatorBehaviour, Timers
+from aivedio.config import Limits, MediaConfig, PlatformConfig, ProviderAccount, ProviderConfig, SimulatorBehaviour, Timers
 from aivedio.errors import Unauthenticated
 from aivedio.providers.simulator import SimulatorServer
 from aivedio.providers.webhooks import sign_webhook
 from aivedio.scheduling.scheduler import Scheduler
 from tests.admission_support import new_tenant, serve  # noqa: F401 - serve is a fixture
-from tests.scheduler_support import UNCAPPED, claim_first, submit
+from tests.scheduler_support import UNCAPPED, claim_first, index_queued, submit
 
 pytestmark = pytest.mark.xdist_group("attempts")
 
@@ -49,9 +49,11 @@ def world(make_platform):
         # simulator's credentials are random per entry): the platform's entry carries the same ones.
         platform_pc = provider(**behaviour).model_copy(update={"base_url": sim.base_url, "accounts": pc.accounts,
                                                                "webhook_secret": pc.webhook_secret})
+        # The attempt workflow's own steps: a provider's success is the task's (the media pipeline,
+        # which takes it on from PROVIDER_SUCCEEDED, has its tests in test_media_pipeline*.py).
         cfg = PlatformConfig(providers=[platform_pc],
                              timers=Timers(lease_seconds=60, unknown_safe_window_seconds=600),
-                             limits=Limits(aimd_decrease_pct=50))
+                             limits=Limits(aimd_decrease_pct=50), media=MediaConfig(enabled=False))
         p = make_platform(cfg)
         with p.db.connection() as conn:
             apply_config(conn, p.config, p.clock)
@@ -141,6 +143,25 @@ def test_429_releases_requeues_with_backoff_and_lowers_the_account_limit(world):
     assert len(sim.truth["jobs"]) == 0
 
 
+def test_a_worker_stalled_past_the_submit_timeout_since_its_marker_does_not_send(world, monkeypatch):
+    """A pause between the send marker and the send as long as a submit may take: a restarted
+    execution may already be proving absence from the marker, so the request is not sent now; nothing
+    was sent by anyone, so the task is requeued at once (a new attempt, a new key)."""
+    from types import SimpleNamespace
+
+    p, sim = world()
+    ref = claim_one(p)
+    timeout = p.config.providers[0].submit_timeout_seconds
+    ticks = iter([0.0, timeout + 0.001])  # the marker, then the last check before the send
+    monkeypatch.setattr(steps, "time", SimpleNamespace(monotonic=lambda: next(ticks)))
+    out = steps.submit(p, ref)
+    assert out["outcome"] == "requeued", out
+    a = attempt_row(p, ref.attempt_id)
+    assert (a["state"], a["final_reason"]) == ("NOT_ACCEPTED", "SEND_STALLED"), a
+    assert task_row(p, ref)["state"] == "QUEUED" and active_reservations(p, ref) == 0
+    assert sim.truth["jobs"] == [] and sim.truth["submits"].get("requests", 0) == 0
+
+
 def test_rejection_fails_the_task_and_releases(world):
     p, sim = world(sim_provider=provider().model_copy(update={"models": ["some-other-model"]}))
     ref = claim_one(p)
@@ -194,6 +215,7 @@ def test_absence_confirmed_requeues_and_a_new_attempt_fences_the_old_one(world):
     assert attempt_row(p, ref.attempt_id)["state"] == "ABSENT_CONFIRMED"
     assert active_reservations(p, ref) == 0
     # A new attempt is claimed with a new fencing token; the old one's writes are refused.
+    index_queued(p, ref.task_id)
     Scheduler(p).tick(5.0)
     t = task_row(p, ref)
     assert t["state"] == "DISPATCHING" and t["current_attempt_id"] != ref.attempt_id

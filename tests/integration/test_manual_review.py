@@ -17,6 +17,7 @@ from tests.admission_support import PRICE
 from tests.billing_support import NOBODY, Cli
 from tests.review_support import (AUDITOR, DROPPED_SEND, NOTHING, OPERATOR, SECRET, AttemptRef, attempt, finish_by_polling, held,
                                   into_review, job_of, lost_job_review, orphans_of, restart, review_world, settle_once, task)
+from tests.scheduler_support import index_queued
 from tests.waiting import wait_for
 
 _ = review_world  # a fixture
@@ -43,6 +44,7 @@ def resolve(w, ref, action, **kw):
 
 
 def new_attempt(w, ref) -> AttemptRef:
+    index_queued(w.p, ref.task_id)  # the requeue's TaskQueued, as the queue indexer takes it
     Scheduler(w.p).tick(5.0)
     t = task(w, ref)
     assert t["state"] == "DISPATCHING" and t["current_attempt_id"] != ref.attempt_id, t["state"]

@@ -25,6 +25,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from aivedio.attempts.lifecycle import AttemptRef, apply_job, lock_job, record_orphan
+from aivedio.chaos import failpoints, safeguards
 from aivedio.config import ConfigError
 from aivedio.errors import DomainError, InvalidRequest, NotFound, Unauthenticated
 from aivedio.metrics_catalog import WEBHOOKS_RECEIVED, WEBHOOKS_REFUSED
@@ -37,6 +38,9 @@ EVENT_TYPES = ("job.succeeded", "job.failed", "job.cancelled", "job.running", "j
 
 MAPPED = """select tenant_id, task_id, attempt_id, fencing_token, provider_account from task_attempt
              where provider = %s and provider_job_id = %s"""
+# Two copies of one webhook-id arriving together: the second waits for the first's transaction,
+# then finds its receipt (without the lock both pass the check, and both answer "applied").
+RECEIVING = "select pg_advisory_xact_lock(hashtextextended(%s, 0))"
 RECEIVED = "select 1 from webhook_receipt where provider = %s and webhook_id = %s"
 RECORD_RECEIPT = """insert into webhook_receipt (provider, webhook_id, received_at) values (%s, %s, %s)
                     on conflict do nothing"""
@@ -79,8 +83,10 @@ def receive(platform, provider: str, headers: Mapping[str, str], body: bytes | s
         raise InvalidRequest("malformed webhook body", {"body": str(e)}) from None
 
     def tx(conn) -> CallbackResult | tuple[str, dict | None]:
-        if conn.execute(RECEIVED, (provider, webhook_id)).fetchone():
-            return CallbackResult("duplicate")
+        if not safeguards.broken("webhook-dedupe"):
+            conn.execute(RECEIVING, (f"webhook:{provider}:{webhook_id}",))
+            if conn.execute(RECEIVED, (provider, webhook_id)).fetchone():
+                return CallbackResult("duplicate")
         row = conn.execute(MAPPED, (provider, job.id)).fetchone()
         if row is None:
             # An adoption of this job may be committing right now: wait for it (it holds the same
@@ -91,12 +97,13 @@ def receive(platform, provider: str, headers: Mapping[str, str], body: bytes | s
             park(conn, provider, webhook_id, doc, job.id, now)
             return CallbackResult("parked")
         ref = AttemptRef(row["tenant_id"], row["task_id"], row["attempt_id"], row["fencing_token"])
-        applied = apply_job(conn, ref, job, source="callback", now=platform.clock.now())
+        applied = apply_job(conn, ref, job, source="callback", now=platform.clock.now(), media=platform.config.media)
         if applied.outcome == "STALE":
             return "STALE_ATTEMPT", ref.log()
         conn.execute(RECORD_RECEIPT, (provider, webhook_id, now))
         return CallbackResult("applied", applied.task_state)
 
+    failpoints.hit("after-verify-before-apply")  # verified and parsed; nothing of it written yet
     result = platform.db.transaction(tx)
     if isinstance(result, CallbackResult):
         publish(WEBHOOKS_RECEIVED, provider=provider, result=result.status)

@@ -8,6 +8,7 @@ import json
 
 from aivedio.attempts.lifecycle import AttemptRef
 from aivedio.attempts.workflow import STEP_FUNCTION_PLACEHOLDER, definition, execution_input, substitute
+from aivedio.chaos import failpoints
 from aivedio.config import Settings
 from aivedio.observability import logger
 
@@ -34,6 +35,8 @@ def start(platform, ref: AttemptRef, *, recoveries: int = 0) -> str:
 def start_with(settings: Settings, extras: dict, ref: AttemptRef, *, recoveries: int = 0) -> str:
     """start() from settings and the process's extras alone: in AWS, starting an execution needs
     no database, so the dispatch function has none."""
+    if recoveries == 0:  # the dispatch consumer's start (the lease scanner's restarts count recoveries)
+        failpoints.hit("after-claim-before-dispatch")
     name = execution_name(ref, recoveries)
     doc = execution_input(ref.as_dict())
     arn = settings.attempt_state_machine_arn

@@ -21,6 +21,7 @@ from psycopg.types.json import Jsonb
 
 from aivedio import outbox, tasks
 from aivedio.billing import budgets
+from aivedio.chaos import safeguards
 from aivedio.metrics_catalog import ATTEMPTS_REQUEUED, REVIEW_ADOPTED, STALE_WRITES_REFUSED, TASKS_FINISHED
 from aivedio.observability import logger, publish
 from aivedio.providers.adapter import ProviderJob
@@ -76,6 +77,8 @@ def load(conn: psycopg.Connection, ref: AttemptRef, *, lock: bool) -> Loaded | N
         return None
     current = (task["current_attempt_id"] == ref.attempt_id and task["current_fencing_token"] == ref.fencing_token
                and attempt["fencing_token"] == ref.fencing_token)
+    if lock and not current and safeguards.broken("fencing"):
+        current = True  # chaos only: a stale writer's write (every write locks the task) goes through
     return Loaded(task, attempt, current)
 
 
@@ -129,7 +132,8 @@ def record_orphan(conn: psycopg.Connection, provider: str, job_id: str, account:
 
 # --- terminal outcomes --------------------------------------------------------------------------------
 
-TERMINAL_EVENT = {"SUCCEEDED": "TaskSucceeded", "FAILED": "TaskFailed", "CANCELLED": "TaskCancelled"}
+TERMINAL_EVENT = {"SUCCEEDED": "TaskSucceeded", "FAILED": "TaskFailed", "CANCELLED": "TaskCancelled",
+                  "MEDIA_INGEST_FAILED": "TaskMediaIngestFailed"}
 
 
 def _usage(job: ProviderJob | None) -> dict | None:
@@ -142,12 +146,52 @@ def provider_charged(job: ProviderJob | None) -> bool:
     return job is not None and (job.charge_id is not None or (job.usage is not None and job.usage.cost_amount > Decimal(0)))
 
 
+def provider_report(attempt: dict, job: ProviderJob | None) -> dict[str, Any]:
+    """What the terminal event says of the provider's side: its job, its charge and its usage. The
+    media pipeline keeps it on the media job (media_job.provider_report) for the event it writes
+    when the media step ends the task."""
+    return {"provider": attempt["provider"], "provider_account": attempt["provider_account"],
+            "provider_job_id": job.id if job is not None else attempt["provider_job_id"],
+            "charge_id": job.charge_id if job is not None else None,
+            "provider_charged": provider_charged(job), "usage": _usage(job)}
+
+
+def write_terminal_event(conn: psycopg.Connection, task: dict, attempt_id: UUID, to_state: str, *, stage: str,
+                         report: dict[str, Any], error_code: str | None, now: datetime) -> None:
+    """The task's one terminal event (TERMINAL_EVENT), which settlement consumes."""
+    outbox.write_event(conn, TERMINAL_EVENT[to_state], aggregate_type="generation_task", aggregate_id=task["task_id"],
+                       tenant_id=task["tenant_id"], payload={
+                           "task_id": str(task["task_id"]), "tenant_id": str(task["tenant_id"]),
+                           "attempt_id": str(attempt_id), "state": to_state, "stage": stage,
+                           "provider": report.get("provider"), "provider_account": report.get("provider_account"),
+                           "provider_job_id": report.get("provider_job_id"), "charge_id": report.get("charge_id"),
+                           "provider_charged": bool(report.get("provider_charged")), "usage": report.get("usage"),
+                           "output_seconds": task["duration_seconds"] if to_state == "SUCCEEDED" else 0,
+                           "error_code": error_code, "finished_at": now.isoformat()})
+
+
+def attempt_outcome(job: ProviderJob | None, *, state: str, stage: str, error_code: str | None = None) -> dict[str, Any]:
+    """The attempt's columns once it is final: its state and reason, the provider's last answer, its
+    actual cost and whether the provider bills it."""
+    fields: dict[str, Any] = {"state": state, "final_reason": stage, "lease_until": None}
+    if error_code is not None:
+        fields["error_code"] = error_code[:100]
+    if job is not None:
+        fields["raw_last_response"] = job.doc or {"id": job.id, "status": job.status}
+        if job.usage is not None:
+            fields.update(actual_cost_amount=job.usage.cost_amount, actual_cost_currency=job.usage.currency)
+        if provider_charged(job):
+            fields["billable_state"] = "BILLABLE"
+    return fields
+
+
 def finish(conn: psycopg.Connection, loaded: Loaded, to_state: str, *, stage: str, now: datetime,
            job: ProviderJob | None = None, attempt_state: str | None = None, error_code: str | None = None,
            error_message: str | None = None) -> dict:
     """Move the task to a terminal state (through PROVIDER_SUCCEEDED for a success), finish the
     attempt, release its reservations and write the terminal event: all in the caller's
-    transaction, so each happens exactly once."""
+    transaction, so each happens exactly once. (With the media pipeline on, a provider's success
+    does not come here: apply_job hands it to aivedio.media.pipeline.)"""
     task, attempt = loaded.task, loaded.attempt
     extra: dict[str, Any] = {"finished_at": now}
     if error_code is not None:
@@ -165,28 +209,11 @@ def finish(conn: psycopg.Connection, loaded: Loaded, to_state: str, *, stage: st
                 (task["task_id"], task["tenant_id"], f"provider/{attempt['provider']}/{job.id}", job.output_url),
             )
     row = move(conn, loaded, to_state, now, **extra)
-    fields: dict[str, Any] = {"state": attempt_state or to_state, "final_reason": stage, "lease_until": None}
-    if error_code is not None:
-        fields["error_code"] = error_code[:100]
-    if job is not None:
-        fields["raw_last_response"] = job.doc or {"id": job.id, "status": job.status}
-        if job.usage is not None:
-            fields.update(actual_cost_amount=job.usage.cost_amount, actual_cost_currency=job.usage.currency)
-        if provider_charged(job):
-            fields["billable_state"] = "BILLABLE"
     ref = AttemptRef(task["tenant_id"], task["task_id"], attempt["attempt_id"], attempt["fencing_token"])
-    set_attempt(conn, ref, now, **fields)
+    set_attempt(conn, ref, now, **attempt_outcome(job, state=attempt_state or to_state, stage=stage, error_code=error_code))
     released = release_attempt(conn, attempt["attempt_id"], now)
-    outbox.write_event(conn, TERMINAL_EVENT[to_state], aggregate_type="generation_task", aggregate_id=task["task_id"],
-                       tenant_id=task["tenant_id"], payload={
-                           "task_id": str(task["task_id"]), "tenant_id": str(task["tenant_id"]),
-                           "attempt_id": str(attempt["attempt_id"]), "state": to_state, "stage": stage,
-                           "provider": attempt["provider"], "provider_account": attempt["provider_account"],
-                           "provider_job_id": job.id if job is not None else attempt["provider_job_id"],
-                           "charge_id": job.charge_id if job is not None else None,
-                           "provider_charged": provider_charged(job), "usage": _usage(job),
-                           "output_seconds": task["duration_seconds"] if to_state == "SUCCEEDED" else 0,
-                           "error_code": error_code, "finished_at": now.isoformat()})
+    write_terminal_event(conn, task, attempt["attempt_id"], to_state, stage=stage, report=provider_report(attempt, job),
+                         error_code=error_code, now=now)
     publish(TASKS_FINISHED, state=to_state, stage=stage)
     logger.info("task finished", extra={"tenant_id": str(task["tenant_id"]), "task_id": str(task["task_id"]),
                                         "attempt_id": str(attempt["attempt_id"]), "state": to_state, "stage": stage,
@@ -248,7 +275,8 @@ def reopen_for_cancel(conn: psycopg.Connection, task: dict, attempt: dict, now: 
     return state
 
 
-def reopen_adopted(conn: psycopg.Connection, loaded: Loaded, job: ProviderJob, *, source: str, now: datetime) -> Applied:
+def reopen_adopted(conn: psycopg.Connection, loaded: Loaded, job: ProviderJob, *, source: str, now: datetime,
+                   media: Any = None) -> Applied:
     """A job found for an attempt in MANUAL_REVIEW (an operator's `review resolve --action adopt`,
     or the stuck-submits service's lookup by key): go on as if the workflow's own lookup had found
     it. The attempt is live again with its lease already expired, so the lease scanner starts a new
@@ -271,7 +299,7 @@ def reopen_adopted(conn: psycopg.Connection, loaded: Loaded, job: ProviderJob, *
     elif not job.terminal:
         move(conn, cur, "RUNNING" if job.status == "running" else "SUBMITTED", now, **cleared,
              **({"started_at": task["started_at"] or now} if job.status == "running" else {}))
-    applied = apply_job(conn, ref, job, source=source, now=now)
+    applied = apply_job(conn, ref, job, source=source, now=now, media=media)
     logger.info("job adopted out of review", extra={**ref.log(), "job_id": job.id, "source": source, "status": job.status,
                                                     "task_state": applied.task_state})
     publish(REVIEW_ADOPTED, source=source)
@@ -293,10 +321,17 @@ class Applied:
     task_state: str | None = None
 
 
-def apply_job(conn: psycopg.Connection, ref: AttemptRef, job: ProviderJob, *, source: str, now: datetime) -> Applied:
+def apply_job(conn: psycopg.Connection, ref: AttemptRef, job: ProviderJob, *, source: str, now: datetime,
+              media: Any = None) -> Applied:
     """What the provider says of the attempt's job, applied to the task. Polling, callbacks, the
     SUBMIT_UNKNOWN lookup and cancel all come here. Idempotent: the same report twice changes
-    nothing the second time; a report older than what is known is ignored."""
+    nothing the second time; a report older than what is known is ignored.
+
+    `media` is the platform's MediaConfig (platform.config.media; every caller with a platform
+    passes it). With the pipeline enabled a success goes to PROVIDER_SUCCEEDED and a media job
+    (aivedio.media.pipeline.provider_succeeded), not to SUCCEEDED: the outcome is TERMINAL for the
+    attempt, whose work is done, with task_state PROVIDER_SUCCEEDED (or where the media step is).
+    None, or enabled = false: the old path, the provider's success is the task's."""
     loaded = load(conn, ref, lock=True)
     if loaded is None:
         return Applied("MISSING")
@@ -310,6 +345,10 @@ def apply_job(conn: psycopg.Connection, ref: AttemptRef, job: ProviderJob, *, so
         return Applied("STALE", task["state"])
     if tasks.is_terminal(task["state"]):
         return Applied("TERMINAL", task["state"])
+    if task["state"] in ("PROVIDER_SUCCEEDED", "MEDIA_PROCESSING") and job.status != "succeeded":
+        # The provider's success is known and the media step has the task: a late or contrary report
+        # (a reordered webhook saying "running") changes nothing.
+        return Applied("UNCHANGED", task["state"])
     if attempt["provider_job_id"] is not None and attempt["provider_job_id"] != job.id:
         # The same key never yields two jobs; a second id is the provider's bug, kept for review.
         record_orphan(conn, attempt["provider"], job.id, attempt["provider_account"], attempt["attempt_id"],
@@ -324,8 +363,16 @@ def apply_job(conn: psycopg.Connection, ref: AttemptRef, job: ProviderJob, *, so
                      (attempt["provider"], job.id))
     cancelling = task["state"] == "CANCEL_REQUESTED"
     if job.status == "succeeded":
-        finish(conn, loaded, "SUCCEEDED", stage="PROVIDER_SUCCEEDED", now=now, job=job)
-        return Applied("TERMINAL", "SUCCEEDED")
+        if media is not None and media.enabled:
+            from aivedio.media import pipeline  # it builds on this module
+
+            if job.output_url or source != "submit":
+                return Applied("TERMINAL", pipeline.provider_succeeded(conn, loaded, job, now=now, media=media))
+            # A submit's answer (a replayed key) names a finished job, not its output: the task goes
+            # on as running, and the next poll reads the whole job.
+        else:
+            finish(conn, loaded, "SUCCEEDED", stage="PROVIDER_SUCCEEDED", now=now, job=job)
+            return Applied("TERMINAL", "SUCCEEDED")
     if job.status == "failed":
         err = job.error
         finish(conn, loaded, "FAILED", stage="PROVIDER_FAILED", now=now, job=job,
@@ -339,8 +386,10 @@ def apply_job(conn: psycopg.Connection, ref: AttemptRef, job: ProviderJob, *, so
         finish(conn, loaded, "FAILED", stage="PROVIDER_FAILED", now=now, job=job, attempt_state="CANCELLED",
                error_code="PROVIDER_CANCELLED", error_message="the provider cancelled the job")
         return Applied("TERMINAL", "FAILED")
-    # queued / running: progress only forwards
-    target = "RUNNING" if job.status == "running" else "SUBMITTED"
+    # queued / running (or succeeded, as far as a submit's answer shows): progress only forwards
+    target = "RUNNING" if job.status in ("running", "succeeded") else "SUBMITTED"
+    if job.status == "succeeded":
+        job = ProviderJob(id=job.id, status="running", created_at=job.created_at)
     fields: dict[str, Any] = {"raw_last_response": job.doc or {"id": job.id, "status": job.status}}
     if _RANK.get(attempt["state"], 3) < _RANK[target]:
         fields["state"] = target

@@ -8,29 +8,36 @@ from __future__ import annotations
 from aivedio.attempts import executions
 from aivedio.attempts.lifecycle import LIVE, AttemptRef
 from aivedio.attempts.steps import to_manual_review
+from aivedio.chaos import safeguards
 from aivedio.metrics_catalog import ATTEMPTS_RECOVERED
 from aivedio.observability import logger, publish
 
 BATCH = 200
 
-
-def restart_expired(platform, limit: int = BATCH) -> int:
-    now = platform.clock.now()
-    lease = platform.clock.delta(platform.config.timers.lease_seconds)
-
-    def tx(conn) -> list[dict]:
-        return conn.execute(
-            """update task_attempt a set lease_until = %(until)s, recoveries = a.recoveries + 1, updated_at = %(now)s
+# The takeover, by CAS. The state guard: only a live attempt whose lease expired ({expired}) is
+# taken, checked again on the locked row, so one whose workflow renewed its lease is left alone.
+TAKE_OVER = """update task_attempt a set lease_until = %(until)s, recoveries = a.recoveries + 1, updated_at = %(now)s
                  from generation_task t
                 where a.attempt_id in (
                       select attempt_id from task_attempt
-                       where state = any(%(live)s) and lease_until < %(now)s
+                       where state = any(%(live)s){expired}
                        order by lease_until limit %(limit)s for update skip locked)
                   and t.tenant_id = a.tenant_id and t.task_id = a.task_id
                   and t.current_attempt_id = a.attempt_id and t.current_fencing_token = a.fencing_token
-                returning a.tenant_id, a.task_id, a.attempt_id, a.fencing_token, a.recoveries, a.recoveries_base, a.state""",
-            {"until": now + lease, "now": now, "live": list(LIVE), "limit": limit},
-        ).fetchall()
+                returning a.tenant_id, a.task_id, a.attempt_id, a.fencing_token, a.recoveries, a.recoveries_base, a.state"""
+EXPIRED = " and lease_until < %(now)s"
+
+
+def restart_expired(platform, limit: int = BATCH) -> int:
+    if safeguards.broken("lease-scanner"):
+        return 0  # chaos only: a lost execution is never resumed
+    now = platform.clock.now()
+    lease = platform.clock.delta(platform.config.timers.lease_seconds)
+    # Chaos only (rescuer-state-guard): without the expiry guard a live, leased attempt is restarted too.
+    take_over = TAKE_OVER.format(expired="" if safeguards.broken("rescuer-state-guard") else EXPIRED)
+
+    def tx(conn) -> list[dict]:
+        return conn.execute(take_over, {"until": now + lease, "now": now, "live": list(LIVE), "limit": limit}).fetchall()
 
     rows = platform.db.transaction(tx)
     for r in rows:

@@ -275,7 +275,7 @@ def adopt_job(conn: psycopg.Connection, platform, ref: AttemptRef, job: Provider
         raise ReviewRefused(f"job {job.id} is recorded as an orphan ({orphan['reason']}) of another attempt",
                             code="JOB_OF_ANOTHER_ATTEMPT", details={"provider_job_id": job.id, "reason": orphan["reason"]})
     old = _state(cur)
-    applied = reopen_adopted(conn, cur, job, source=source, now=platform.clock.now())
+    applied = reopen_adopted(conn, cur, job, source=source, now=platform.clock.now(), media=platform.config.media)
     new = {**_after(conn, ref), "job_status": job.status}
     rbac.audit(conn, operator=actor, action="review.adopt", target=f"task:{ref.task_id}", tenant_id=ref.tenant_id,
                old=old, new={**new, **({"evidence": evidence} if evidence else {})}, reason=reason)

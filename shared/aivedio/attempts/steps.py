@@ -13,6 +13,7 @@ idempotency key decides (ch. 18.15)."""
 from __future__ import annotations
 
 import random
+import time
 from datetime import datetime
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ from aivedio import outbox, tasks
 from aivedio.attempts import aimd
 from aivedio.attempts.lifecycle import (AttemptRef, Loaded, apply_job, finish, jitter, load, move, record_orphan,
                                         renew_lease, requeue, set_attempt)
+from aivedio.chaos import failpoints, safeguards
 from aivedio.metrics_catalog import MANUAL_REVIEWS, STALE_WRITES_REFUSED, SUBMIT_UNKNOWN, SUBMIT_UNKNOWN_RESOLVED
 from aivedio.observability import logger, publish
 from aivedio.providers.adapter import (Accepted, Lookup, NotAcceptedRetryable, ProviderError, ProviderJob, RejectedFinal,
@@ -140,9 +142,13 @@ def _requeue_delay(ctx: _Ctx, attempt: dict, retry_after: float | None) -> float
 def submit(platform, ref: AttemptRef, step: Step | None = None) -> Step:
     ctx = _Ctx(platform, ref, step)
 
+    marked = 0.0
+
     def claim_send(conn) -> tuple[str, Loaded | None]:
+        nonlocal marked
         loaded = load(conn, ref, lock=True)
         now = ctx.now  # after the lock: submit_started_at must not predate a wait for it
+        marked = time.monotonic()  # with it: the send deadline below counts from where the absence proof does
         if loaded is None or not loaded.current or loaded.attempt["state"] != "DISPATCHING" or tasks.is_terminal(loaded.task["state"]):
             return "route", loaded
         if loaded.task["state"] == "CANCEL_REQUESTED" and loaded.attempt["submit_started_at"] is None:
@@ -171,7 +177,18 @@ def submit(platform, ref: AttemptRef, step: Step | None = None) -> Step:
         # the attempt over: it must not send now, or an absence proven meanwhile would be wrong.
         logger.warning("submit not sent: the attempt was taken over while this worker stalled", extra=ref.log())
         return done("superseded")
-    outcome = adapter(platform, attempt["provider"]).submit(attempt["provider_account"], attempt["provider_request_key"], request)
+    prov = adapter(platform, attempt["provider"])
+    if time.monotonic() - marked >= prov.timeout_seconds:
+        # This worker stalled since its marker for as long as a submit may take: a restarted
+        # execution may be about to prove absence from that marker (absence_proven), and a request
+        # sent now could arrive after the proof. Unsent, the proof holds; the lookup decides.
+        return _send_too_late(ctx)
+    # The last instant before the send: a worker paused here sends late whatever it checked, and the
+    # protocol has no deadline on a submit; fencing refuses its answer and contains the job.
+    failpoints.hit("before-submit-send")
+    outcome = prov.submit(attempt["provider_account"], attempt["provider_request_key"], request)
+    if isinstance(outcome, Accepted):
+        failpoints.hit("after-accept-before-record")  # the job exists; only the lookup by key can find it now
     log = {**ref.log(), "provider": attempt["provider"], "outcome": outcome.kind}
 
     def record(conn) -> Step:
@@ -186,7 +203,7 @@ def submit(platform, ref: AttemptRef, step: Step | None = None) -> Step:
         t = cur.task
         if isinstance(outcome, Accepted):
             applied = apply_job(conn, ref, ProviderJob(id=outcome.job_id, status=outcome.status, created_at=None),
-                                source="submit", now=now)
+                                source="submit", now=now, media=platform.config.media)
             renew_lease(conn, ref, now, ctx.lease_until())
             if applied.outcome == "TERMINAL":
                 return done(applied.task_state.lower() if applied.task_state else "terminal")
@@ -232,6 +249,14 @@ def submit(platform, ref: AttemptRef, step: Step | None = None) -> Step:
 STILL_SENDING = """select 1 from generation_task t join task_attempt a on a.attempt_id = t.current_attempt_id
                     where t.tenant_id = %s and t.task_id = %s and t.current_attempt_id = %s and t.current_fencing_token = %s
                       and a.state = 'DISPATCHING' and a.submit_started_at is not null"""
+
+
+def _send_too_late(ctx: _Ctx) -> Step:
+    """The send was not made (this worker stalled past the submit timeout since its marker). Under
+    the task's lock, an attempt still DISPATCHING was sent by no one (a restarted execution marks it
+    SUBMIT_UNKNOWN before anything), so the task is requeued at once as not accepted."""
+    logger.warning("submit not sent: this worker stalled past the submit timeout since its send marker", extra=ctx.ref.log())
+    return _requeue_unsent(ctx, "DISPATCHING", attempt_state="NOT_ACCEPTED", reason="SEND_STALLED", outcome="requeued")
 
 
 def _still_sending(ctx: _Ctx) -> bool:
@@ -310,6 +335,8 @@ def resolve(platform, ref: AttemptRef, step: Step | None = None) -> Step:
     loaded = ctx.read()
     if loaded is None or not loaded.current or loaded.attempt["state"] != "SUBMIT_UNKNOWN" or tasks.is_terminal(loaded.task["state"]):
         return _route(ctx, loaded)
+    if safeguards.broken("lookup-before-retry"):
+        return _retry_unlooked(ctx)
     attempt = loaded.attempt
     sent_at = attempt["submit_started_at"] or attempt["created_at"]
     age = ctx.platform_age(sent_at)
@@ -327,7 +354,7 @@ def resolve(platform, ref: AttemptRef, step: Step | None = None) -> Step:
 
         def adopt(conn) -> Step:
             now = ctx.now
-            applied = apply_job(conn, ref, job, source="lookup", now=now)
+            applied = apply_job(conn, ref, job, source="lookup", now=now, media=platform.config.media)
             if applied.outcome in ("STALE", "MISSING"):
                 return done(applied.outcome.lower())
             renew_lease(conn, ref, now, ctx.lease_until())
@@ -345,18 +372,8 @@ def resolve(platform, ref: AttemptRef, step: Step | None = None) -> Step:
     # still on its way can no longer arrive (twice the submit timeout after it was sent).
     settled = (ctx.now - sent_at).total_seconds() >= 2 * prov.timeout_seconds
     if absence_proven(platform, attempt, lookup, prov.timeout_seconds):
-        def release(conn) -> Step:
-            now = ctx.now
-            cur = load(conn, ref, lock=True)
-            if cur is None or not cur.current or cur.attempt["state"] != "SUBMIT_UNKNOWN" or tasks.is_terminal(cur.task["state"]):
-                return _route(ctx, cur)
-            if cur.task["state"] == "CANCEL_REQUESTED":
-                finish(conn, cur, "CANCELLED", stage="BEFORE_SUBMIT", now=now, attempt_state="ABSENT_CONFIRMED")
-                return done("cancelled_before_submit")
-            requeue(conn, cur, attempt_state="ABSENT_CONFIRMED", reason="SUBMIT_ABSENT_CONFIRMED", now=now, eligible_at=now)
-            return done("absent_confirmed")
-
-        result = ctx.tx(release)
+        result = _requeue_unsent(ctx, "SUBMIT_UNKNOWN", attempt_state="ABSENT_CONFIRMED", reason="SUBMIT_ABSENT_CONFIRMED",
+                                 outcome="absent_confirmed")
         logger.info("SUBMIT_UNKNOWN resolved: no job exists", extra={**ref.log(), "outcome": result.get("outcome")})
         publish(SUBMIT_UNKNOWN_RESOLVED, how="absent")
         return result
@@ -368,6 +385,31 @@ def resolve(platform, ref: AttemptRef, step: Step | None = None) -> Step:
         remaining = 2 * prov.timeout_seconds - (ctx.now - sent_at).total_seconds()
         return wait("resolve", max(1.0, remaining * platform.clock.time_scale), errors=errors)
     return wait("resolve", _backoff(ctx, errors + 1, ctx.timers.unknown_backoff_max_seconds), errors=errors + 1)
+
+
+def _requeue_unsent(ctx: _Ctx, from_state: str, *, attempt_state: str, reason: str, outcome: str) -> Step:
+    """End an attempt that has no provider job (still `from_state`) as `attempt_state` under the
+    task's row lock: the task is requeued, or CANCELLED when a cancel was asked for meanwhile."""
+    def tx(conn) -> Step:
+        now = ctx.now
+        cur = load(conn, ctx.ref, lock=True)
+        if cur is None or not cur.current or cur.attempt["state"] != from_state or tasks.is_terminal(cur.task["state"]):
+            return _route(ctx, cur)
+        if cur.task["state"] == "CANCEL_REQUESTED":
+            finish(conn, cur, "CANCELLED", stage="BEFORE_SUBMIT", now=now, attempt_state=attempt_state)
+            return done("cancelled_before_submit")
+        requeue(conn, cur, attempt_state=attempt_state, reason=reason, now=now, eligible_at=now)
+        return done(outcome)
+
+    return ctx.tx(tx)
+
+
+def _retry_unlooked(ctx: _Ctx) -> Step:
+    """Chaos only (the lookup-before-retry switch): the unknown submit is taken as not accepted and
+    the task requeued without asking the provider, so a job it did accept runs beside the next
+    attempt's (a new attempt sends a new key)."""
+    return _requeue_unsent(ctx, "SUBMIT_UNKNOWN", attempt_state="NOT_ACCEPTED", reason="SUBMIT_UNKNOWN_NOT_LOOKED_UP",
+                           outcome="requeued")
 
 
 def absence_proven(platform, attempt: dict, lookup: Lookup, timeout_seconds: float) -> bool:
@@ -425,7 +467,7 @@ def check(platform, ref: AttemptRef, step: Step | None = None) -> Step:
 
     def apply(conn) -> Step:
         now = ctx.now
-        applied = apply_job(conn, ref, job, source="poll", now=now)
+        applied = apply_job(conn, ref, job, source="poll", now=now, media=platform.config.media)
         if applied.outcome in ("STALE", "MISSING"):
             return done(applied.outcome.lower())
         if applied.outcome == "TERMINAL":
@@ -469,7 +511,7 @@ def cancel(platform, ref: AttemptRef, step: Step | None = None) -> Step:
         renew_lease(conn, ref, now, ctx.lease_until())
         if job is None:
             return wait("check", ctx.timers.poll_min_seconds, polls=1, errors=1)
-        applied = apply_job(conn, ref, job, source="cancel", now=now)
+        applied = apply_job(conn, ref, job, source="cancel", now=now, media=platform.config.media)
         if applied.outcome == "TERMINAL":
             return done((applied.task_state or "terminal").lower())
         # A cancel is a request: the job may still finish. Keep watching it.

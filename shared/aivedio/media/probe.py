@@ -28,6 +28,9 @@ logged (field, host, reason).
   INPUT_TOO_LARGE    over Limits.max_input_bytes, by Content-Length or by the bytes read
   INPUT_NOT_MEDIA    fetched, but not a readable image, video or audio file
   INPUT_TOO_LONG     media longer than Limits.max_input_duration_seconds
+
+The media worker (containers/gpu-render/worker.py, operation "ingest") fetches providers' outputs
+with the same rules through `fetch_url` and reads them with `measure`.
 """
 from __future__ import annotations
 
@@ -89,6 +92,11 @@ class _Refused(Exception):
         super().__init__(reason)
         self.reason = reason
         self.hint = hint
+
+
+class _Forbidden(_Refused):
+    """Refused by the address rules themselves: a non-global address, a scheme other than http(s),
+    credentials or no host in the URL (on any hop). Retrying cannot help, unlike an HTTP status."""
 
 
 # --- addresses -------------------------------------------------------------------------------------
@@ -252,7 +260,7 @@ def _checked_addresses(host: str, port: int, fetch: _Fetch) -> list[IPAddress]:
         # is a rebinding attempt, and the next connect could pick either.
         why = None if fetch.allowance.allows(host, ip) else refusal(ip)
         if why is not None:
-            raise _Refused(f"address {ip} is {why}")
+            raise _Forbidden(f"address {ip} is {why}")
     return ips
 
 
@@ -314,11 +322,11 @@ def _fetch_http(url: str, out, fetch: _Fetch) -> int:
         scheme = parts.scheme.lower()
         fetch.host = parts.hostname or ""
         if scheme not in DEFAULT_PORTS:
-            raise _Refused(f"scheme {scheme!r}")
+            raise _Forbidden(f"scheme {scheme!r}")
         if not parts.hostname:
-            raise _Refused("no host")
+            raise _Forbidden("no host")
         if parts.username is not None or parts.password is not None:
-            raise _Refused("credentials in the URL")
+            raise _Forbidden("credentials in the URL")
         host, port = parts.hostname, parts.port or DEFAULT_PORTS[scheme]  # .port raises ValueError when bad
         sock = _connect(_checked_addresses(host, port, fetch), port, fetch)
         conn = None
@@ -395,10 +403,52 @@ def _unreachable(fetch: _Fetch, reason: str, hint: str, *, refused: bool) -> Inv
     return InvalidRequest("input unreachable", {fetch.field: hint}, code="INPUT_UNREACHABLE")
 
 
-def probe(url: str, field: str, *, tenant_id, limits: Limits, media_bucket: str | None,
-          request_deadline: float | None = None, allowance: Allowance | None = None) -> ProbedMedia:
+@dataclass(frozen=True)
+class MediaFacts:
+    """What a media file really is, read from its streams (not from what anyone declared)."""
+
+    kind: str  # image | video | audio
+    container: str  # the demuxer's first name: mov (MP4 and QuickTime), matroska, ...
+    video_codec: str | None
+    duration_seconds: float | None  # the container's; None when it states none
+    width: int | None
+    height: int | None
+    fps: float | None  # the video stream's average (else guessed) frame rate
+    has_audio: bool
+
+
+IMAGE_CODECS = ("png", "mjpeg", "webp", "bmp", "gif", "tiff")
+
+
+def measure(path: str) -> MediaFacts:
+    """Open a local file with PyAV and read its kind, container, codec, duration, size, frame rate
+    and audio. Raises (ValueError, av.error.*) when it is not a readable image, video or audio file.
+    Shared by input probing and the media worker (containers/gpu-render/worker.py)."""
     import av
 
+    with av.open(path) as container:
+        video = next(iter(container.streams.video), None)
+        audio = next(iter(container.streams.audio), None)
+        duration = float(container.duration / 1_000_000) if container.duration else None
+        fps = None
+        if video is not None:
+            frames = video.frames or 0
+            codec = video.codec_context.name
+            is_image = (duration is None or duration == 0 or frames <= 1) and codec in IMAGE_CODECS
+            kind = "image" if is_image else "video"
+            width, height = video.codec_context.width, video.codec_context.height
+            rate = video.average_rate or video.guessed_rate
+            fps = round(float(rate), 3) if rate else None
+        elif audio is not None:
+            kind, codec, width, height = "audio", None, None, None
+        else:
+            raise ValueError("no audio or video stream")
+        return MediaFacts(kind=kind, container=container.format.name.split(",")[0], video_codec=codec,
+                          duration_seconds=duration, width=width, height=height, fps=fps, has_audio=audio is not None)
+
+
+def probe(url: str, field: str, *, tenant_id, limits: Limits, media_bucket: str | None,
+          request_deadline: float | None = None, allowance: Allowance | None = None) -> ProbedMedia:
     deadline = time.monotonic() + limits.input_fetch_deadline_seconds
     fetch = _Fetch(field, str(tenant_id), limits, media_bucket, allowance or Allowance.of(limits.probe_allowed_private_hosts),
                    deadline if request_deadline is None else min(deadline, request_deadline))
@@ -415,22 +465,10 @@ def probe(url: str, field: str, *, tenant_id, limits: Limits, media_bucket: str 
             raise _unreachable(fetch, f"{type(e).__name__}: {e}", UNREACHABLE, refused=False) from None
         tmp.flush()
         try:
-            with av.open(tmp.name) as container:
-                video = next(iter(container.streams.video), None)
-                audio = next(iter(container.streams.audio), None)
-                duration = float(container.duration / 1_000_000) if container.duration else None
-                if video is not None:
-                    frames = video.frames or 0
-                    is_image = (duration is None or duration == 0 or frames <= 1) and video.codec_context.name in (
-                        "png", "mjpeg", "webp", "bmp", "gif", "tiff")
-                    kind = "image" if is_image else "video"
-                    width, height = video.codec_context.width, video.codec_context.height
-                elif audio is not None:
-                    kind, width, height = "audio", None, None
-                else:
-                    raise ValueError("no audio or video stream")
+            facts = measure(tmp.name)
         except Exception:
             raise InvalidRequest("input is not media", {field: "not a readable image, video or audio file"}, code="INPUT_NOT_MEDIA") from None
+        kind, duration, width, height = facts.kind, facts.duration_seconds, facts.width, facts.height
     if kind != "image" and duration is not None and duration > limits.max_input_duration_seconds:
         raise InvalidRequest("input too long", {field: f"media lasts {duration:.1f} s; at most {limits.max_input_duration_seconds:.0f} s"},
                              code="INPUT_TOO_LONG")
@@ -451,3 +489,23 @@ def probe_inputs(inputs, *, tenant_id, limits: Limits, media_bucket: str | None)
             raise InvalidRequest("input kind mismatch", {f"body.inputs.{i}.kind": f"declared {ref.kind}, measured {m.kind}"})
         out.append(m)
     return out
+
+
+# --- fetching for other callers (the media worker) ------------------------------------------------
+
+FetchTooLarge = _TooLarge  # over the byte cap, by Content-Length or by the bytes read
+FetchRefused = _Refused  # not fetched: an HTTP status, a redirect without Location, too many redirects, no address
+FetchForbidden = _Forbidden  # (a FetchRefused) the address rules forbid the URL or an address it leads to
+ALLOW_ANY_ADDRESS = Allowance.of(["0.0.0.0/0", "::/0"])  # only for a local simulator on the loopback
+
+
+def fetch_url(url: str, out, *, max_bytes: int, deadline: float, allowance: Allowance | None = None,
+              max_redirects: int = 3, purpose: str = "media") -> int:
+    """Fetch an http(s) URL into the binary file `out` under the probe's rules: every hop's addresses
+    global (unless `allowance` exempts them) and the socket opened to the checked address, at most
+    `max_redirects` hops, `max_bytes` held while reading, `deadline` (time.monotonic()) bounding every
+    resolve, connect, read and write. Returns the bytes written. Raises FetchTooLarge, FetchForbidden,
+    FetchRefused, TimeoutError, or the socket, TLS or HTTP error."""
+    limits = Limits(max_input_bytes=max_bytes, input_max_redirects=max_redirects)
+    fetch = _Fetch(purpose, "-", limits, None, allowance or Allowance.of([]), deadline)
+    return _fetch_http(url, out, fetch)

@@ -19,7 +19,12 @@ What it does:
   duplicated (same webhook-id), delayed (so reordered), retried with backoff when refused.
 - Invoices per UTC day and account: a line per charge and credit note; lines may be listed twice or a
   day late.
-- Each succeeded job has a real MP4 (16x16, 1 s, H.264 through PyAV's FFmpeg) at its output_url.
+- Each succeeded job has a real MP4 at its output_url that matches its order: the ordered duration
+  and resolution (854x480, 1280x720, 1920x1080, 3840x2160), AAC silence when audio was ordered;
+  cheap to make (a flat frame at 2 fps, H.264 through PyAV's FFmpeg) and cached per (duration,
+  resolution, audio), so many jobs cost one encode. Output misbehaviours (the behaviour's output_*_rate,
+  or forced per job by "[sim:output=<kind>]" in the prompt): truncated, empty, not_video,
+  wrong_duration, wrong_resolution, no_audio (see OUTPUT_FAULTS).
 - Ground truth for tests: `simulator.truth` in-process, `GET /_truth` over HTTP.
 
 Time: durations in the behaviour (queue, latency, bursts, webhook delays, the idempotency window,
@@ -33,6 +38,7 @@ whatever order concurrent requests arrive in.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import heapq
 import io
@@ -41,6 +47,7 @@ import json
 import logging
 import math
 import random
+import re
 import socket
 import struct
 import threading
@@ -67,7 +74,15 @@ WEBHOOK_BACKOFF_SECONDS = 1.0  # platform seconds before the first retry; double
 ERROR_CODES = (("GENERATION_FAILED", "the model could not render this prompt"),
                ("CONTENT_FILTERED", "the output was blocked by the safety filter"),
                ("INTERNAL_ERROR", "an internal error interrupted the render"))
-OUTPUT_SIZE, OUTPUT_FPS, OUTPUT_FRAMES = 16, 8, 8  # 1 second
+OUTPUT_FPS = 2
+OUTPUT_AUDIO_RATE = 24_000  # mono AAC silence
+OUTPUT_DIMENSIONS = {"480p": (854, 480), "720p": (1280, 720), "1080p": (1920, 1080), "4k": (3840, 2160)}
+# (kind, the behaviour's rate field), in the order they are drawn for a job
+OUTPUT_FAULTS = (("truncated", "output_truncated_rate"), ("empty", "output_empty_rate"),
+                 ("not_video", "output_not_video_rate"), ("wrong_duration", "output_wrong_duration_rate"),
+                 ("wrong_resolution", "output_wrong_resolution_rate"), ("no_audio", "output_no_audio_rate"))
+OUTPUT_FAULT_MARKER = re.compile(r"\[sim:output=([a-z_]+)\]")
+NOT_VIDEO_BODY = b"<!doctype html><html><body><h1>503 Service Unavailable</h1></body></html>\n"
 
 
 def _iso(t: datetime) -> str:
@@ -103,28 +118,81 @@ def _codec() -> str:
     return _CODEC
 
 
-def make_mp4(tag: str) -> bytes:
-    """A real 16x16, one-second MP4 whose colours derive from `tag` (deterministic)."""
+_MP4_LOCK = threading.Lock()  # one encode at a time: concurrent fetches of one order wait for its cache entry
+
+
+def make_mp4(duration_seconds: float, resolution: str, with_audio: bool) -> bytes:
+    """A real MP4 matching an order: `duration_seconds` long, the resolution's dimensions, H.264 at
+    OUTPUT_FPS of one flat frame, plus mono AAC silence when `with_audio`. Cached per argument triple."""
+    if resolution not in OUTPUT_DIMENSIONS:
+        raise ValueError(f"resolution must be one of {sorted(OUTPUT_DIMENSIONS)}, not {resolution!r}")
+    if not (math.isfinite(duration_seconds) and duration_seconds > 0):
+        raise ValueError(f"duration_seconds must be > 0, not {duration_seconds!r}")
+    with _MP4_LOCK:
+        return _make_mp4(float(duration_seconds), resolution, bool(with_audio))
+
+
+@functools.lru_cache(maxsize=32)
+def _make_mp4(duration_seconds: float, resolution: str, with_audio: bool) -> bytes:
     import av
 
-    shade = hashlib.sha256(tag.encode()).digest()
+    width, height = OUTPUT_DIMENSIONS[resolution]
     buf = io.BytesIO()
     with av.open(buf, mode="w", format="mp4") as container:
         stream = container.add_stream(_codec(), rate=OUTPUT_FPS)
-        stream.width = stream.height = OUTPUT_SIZE
+        stream.width, stream.height = width, height
         stream.pix_fmt = "yuv420p"
         if stream.codec_context.name in ("libx264", "h264"):
             stream.options = {"preset": "ultrafast"}
-        for i in range(OUTPUT_FRAMES):
-            frame = av.VideoFrame(OUTPUT_SIZE, OUTPUT_SIZE, "yuv420p")
-            for j, plane in enumerate(frame.planes):
-                plane.update(bytes([(shade[j] + 24 * i) % 256]) * plane.buffer_size)
+        sound = None
+        if with_audio:
+            sound = container.add_stream("aac", rate=OUTPUT_AUDIO_RATE, layout="mono")
+        frame = av.VideoFrame(width, height, "yuv420p")
+        for plane, value in zip(frame.planes, (96, 128, 160)):  # one flat colour
+            plane.update(bytes([value]) * plane.buffer_size)
+        for i in range(max(1, round(duration_seconds * OUTPUT_FPS))):
             frame.pts = i
             for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+        if sound is not None:
+            samples, chunk = round(duration_seconds * OUTPUT_AUDIO_RATE), 1024
+            for start in range(0, samples, chunk):
+                n = min(chunk, samples - start)
+                silence = av.AudioFrame(format="fltp", layout="mono", samples=n)
+                silence.planes[0].update(bytes(silence.planes[0].buffer_size))
+                silence.sample_rate, silence.pts = OUTPUT_AUDIO_RATE, start
+                for packet in sound.encode(silence):
+                    container.mux(packet)
+            for packet in sound.encode():
+                container.mux(packet)
     return buf.getvalue()
+
+
+def output_fault(behaviour: SimulatorBehaviour, prompt: str, rng: random.Random) -> str | None:
+    """The output misbehaviour of one job: forced by "[sim:output=<kind>]" in its prompt, else drawn
+    from the behaviour's output_*_rate (every rate is drawn, so one rate never shifts another's draws)."""
+    forced = OUTPUT_FAULT_MARKER.search(prompt)
+    drawn = [kind for kind, rate in OUTPUT_FAULTS if rng.random() < getattr(behaviour, rate)]
+    if forced and forced.group(1) in dict(OUTPUT_FAULTS):
+        return forced.group(1)
+    return drawn[0] if drawn else None
+
+
+def output_bytes(duration_seconds: float, resolution: str, with_audio: bool, fault: str | None) -> bytes:
+    """The bytes a succeeded job serves at its output_url, its fault applied."""
+    if fault == "empty":
+        return b""
+    if fault == "not_video":
+        return NOT_VIDEO_BODY
+    if fault == "wrong_duration":
+        duration_seconds = duration_seconds / 2 if duration_seconds >= 4 else duration_seconds + 3
+    if fault == "wrong_resolution":
+        i = RESOLUTIONS.index(resolution)
+        resolution = RESOLUTIONS[i - 1] if i > 0 else RESOLUTIONS[1]
+    data = make_mp4(duration_seconds, resolution, with_audio and fault != "no_audio")
+    return data[: len(data) // 2] if fault == "truncated" else data
 
 
 # --- state -----------------------------------------------------------------------------------------------
@@ -145,6 +213,7 @@ class _Job:
     credit_note: bool
     error: dict[str, str] | None
     created_by: str  # "201", "accept_then_timeout:delay", "accept_then_timeout:drop", "5xx"
+    output_fault: str | None = None  # OUTPUT_FAULTS kind served at output_url, None: a good clip
     status: str = "queued"
     started_at: datetime | None = None
     finished_at: datetime | None = None
@@ -173,6 +242,14 @@ class _Job:
         if self.charge_id is not None:
             d["charge_id"] = self.charge_id
         return d
+
+
+def _answer_status(r: Any) -> str | None:
+    try:
+        doc = r.json()
+    except ValueError:
+        return None
+    return doc.get("status") if isinstance(doc, dict) else None
 
 
 @dataclass(order=True)
@@ -239,7 +316,6 @@ class Simulator:
             ("events", "dropped", "duplicated", "copies", "attempts", "delivered", "refused", "gave_up"), 0)
         self._deliveries: list[_Delivery] = []
         self._deliveries_cv = threading.Condition(threading.Lock())
-        self._outputs: dict[str, bytes] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._http: httpx.Client | None = None
@@ -397,11 +473,12 @@ class Simulator:
     def _deliver(self, d: _Delivery) -> None:
         headers = sign_webhook(self.config.webhook_secret, d.webhook_id, int(time.time()), d.body)
         headers["Content-Type"] = "application/json"
-        ok, status = False, None
+        ok, status, answer = False, None, None
         try:
             assert self._http is not None
             r = self._http.post(d.url, content=d.body, headers=headers)
             status, ok = r.status_code, 200 <= r.status_code < 300
+            answer = _answer_status(r)
         except Exception as e:  # the receiver is down or slow: retry like a refusal
             status = repr(e)
         with self._lock:
@@ -410,6 +487,9 @@ class Simulator:
             job.webhook["attempts"] += 1
             self._webhook_counters["attempts"] += 1
             if ok:
+                # What the receiver said it did with this copy ("applied", "duplicate", "parked"):
+                # the ground truth that a webhook-id was applied once (aivedio.chaos.checkers).
+                job.webhook.setdefault("answers", []).append(answer)
                 job.webhook["delivered"] += 1
                 self._webhook_counters["delivered"] += 1
                 return
@@ -536,7 +616,8 @@ class Simulator:
                    body=copy.deepcopy(body), created_at=created_at, created_mono=now, start_due=start_due,
                    finish_due=start_due + self._real(latency), planned_outcome="failed" if fails else "succeeded",
                    charge_on_failure=fails and charged, credit_note=fails and charged and credited,
-                   error={"code": code, "message": message} if fails else None, created_by=created_by)
+                   error={"code": code, "message": message} if fails else None, created_by=created_by,
+                   output_fault=output_fault(b, body["prompt"], self._rng("output", job_id)))
         job.submit_answer = {"id": job_id, "status": "queued", "created_at": _iso(created_at)}
         self._jobs[job_id] = job
         self._by_key.setdefault(key, []).append(job_id)
@@ -624,12 +705,9 @@ class Simulator:
             job = self._jobs.get(job_id)
             if job is None or job.status != "succeeded":
                 return _error(404, "NOT_FOUND", f"no output for {job_id}")
-            data = self._outputs.get(job_id)
-        if data is None:
-            data = make_mp4(job_id)
-            with self._lock:
-                self._outputs[job_id] = data
-        return _Reply(200, raw=data, content_type="video/mp4")
+            order = (job.body["duration_seconds"], job.body["resolution"], bool(job.body.get("with_audio")))
+            fault = job.output_fault
+        return _Reply(200, raw=output_bytes(*order, fault), content_type="video/mp4")
 
     # -- ground truth --
 
@@ -649,7 +727,7 @@ class Simulator:
                 "planned_outcome": j.planned_outcome, "created_by": j.created_by, "submit_requests": j.submit_requests,
                 "usage": copy.deepcopy(j.usage), "charge_id": j.charge_id, "error": copy.deepcopy(j.error),
                 "charges": [{**r["line"], "billed_date": r["billed_date"], "copies": r["copies"]} for r in j.lines],
-                "webhook": copy.deepcopy(j.webhook),
+                "webhook": copy.deepcopy(j.webhook), "output_fault": j.output_fault,
             } for j in self._jobs.values()]
             return {
                 "provider": self.config.name, "seed": self.behaviour.seed, "time_scale": self.time_scale,

@@ -59,7 +59,7 @@ from decimal import Decimal
 from typing import Any, Iterator
 
 from aivedio.errors import Conflict, DomainError, InvalidRequest, NotFound
-from aivedio.metrics_catalog import RECONCILIATION_BREAKS, UNRECONCILED_COST
+from aivedio.metrics_catalog import RECONCILIATION_BREAKS, RECONCILIATION_OPEN_ITEMS, UNRECONCILED_COST
 from aivedio.observability import logger, publish
 from aivedio.reconcile import invoice_items as items
 from aivedio.reconcile import invoice_report as report
@@ -168,8 +168,10 @@ select distinct on (lower(billing_period)) lower(billing_period) as day, run_id,
 """
 # Provider cost not yet matched to an invoice line (the UnreconciledCost gauge is in USD).
 UNRECONCILED = """
-select coalesce(sum(internal_amount), 0) as amount from reconciliation_item
- where status = 'OPEN' and discrepancy_type in ('PENDING_WITHIN_GRACE', 'MISSING_EXTERNAL') and currency = 'USD'
+select coalesce(sum(internal_amount) filter (where discrepancy_type in ('PENDING_WITHIN_GRACE', 'MISSING_EXTERNAL')
+                                               and currency = 'USD'), 0) as amount,
+       count(*)::bigint as open_items
+  from reconciliation_item where status = 'OPEN'
 """
 PERIOD = "select * from provider_invoice_period where provider = %(provider)s and period_month = %(month)s"
 PERIOD_ITEMS = """
@@ -507,7 +509,9 @@ def _publish_reports(platform, archive, ctx: items.Ctx, doc: dict, tally: items.
                                                               "run_id": str(ctx.run_id), "error": str(e)})
     if tally.breaks:
         publish(RECONCILIATION_BREAKS, tally.breaks)
-    publish(UNRECONCILED_COST, float(platform.db.fetchone(UNRECONCILED)["amount"]))
+    unreconciled = platform.db.fetchone(UNRECONCILED)
+    publish(UNRECONCILED_COST, float(unreconciled["amount"]))
+    publish(RECONCILIATION_OPEN_ITEMS, unreconciled["open_items"])
     log = logger.info if doc["status"] == "COMPLETE" else logger.warning
     log("invoice reconciliation", extra={"provider": ctx.provider, "date": ctx.day.isoformat(), "run_id": str(ctx.run_id),
                                          "status": doc["status"], "new_items": doc["new_items"], "open_items": doc["open_items"],

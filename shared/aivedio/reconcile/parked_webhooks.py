@@ -105,7 +105,8 @@ def _apply_one(conn, platform, r: dict, now: datetime) -> tuple[str, str | None]
     if conn.execute(RECEIVED, (r["provider"], r["webhook_id"])).fetchone():
         return "DUPLICATE", None  # a copy of it came once the job was mapped, and was applied then
     ref = AttemptRef(r["tenant_id"], r["task_id"], r["attempt_id"], r["fencing_token"])
-    applied = apply_job(conn, ref, parse_job(r["body"].get("data")), source="callback:parked", now=now)
+    applied = apply_job(conn, ref, parse_job(r["body"].get("data")), source="callback:parked", now=now,
+                        media=platform.config.media)
     if applied.outcome == "STALE":
         return "STALE", applied.task_state
     conn.execute(RECORD_RECEIPT, (r["provider"], r["webhook_id"], now))

@@ -202,6 +202,14 @@ SERVICES: tuple[Service, ...] = (
             "capacity_counters degraded mode (conservative scheduling) until the counter, under its row lock, is reset "
             "to the reservations, with an audit_log row (system:capacity-counters, old and new)",
             "change a reservation: the reservations are the facts and the counter follows them"),
+    # --- media jobs (reconcile/media_jobs.py) ---
+    Service("media-jobs", "aivedio.reconcile.media_jobs",
+            "RUNNING media jobs past their lease (a worker killed, a Batch event lost, a dispatcher that died before the "
+            "start): the worker is asked about (the local pid, or Batch DescribeJobs); a finished Batch job's result is "
+            "applied, a lost or hung worker (killed) is retried with the same output version through the fenced completion, "
+            "and the task ends MEDIA_INGEST_FAILED once the job's tries are spent",
+            "retry a job whose worker still runs within its lease, kill a process that is not the job's worker, or make a "
+            "second output version"),
     # --- provider invoices (reconcile/invoices.py) ---
     Service("invoice-reconcile", "aivedio.reconcile.invoices",
             "each provider's invoice for yesterday (UTC) and a re-pulled overlap window, archived content-addressed, "
@@ -211,6 +219,12 @@ SERVICES: tuple[Service, ...] = (
             "reports; publishes UnreconciledCost",
             "accept a fuzzy candidate, update or delete a cost event, overwrite an archived document, call a day COMPLETE "
             "that a source failed, or change a closed month (later corrections land in the next one)"),
+    # --- hot wallets (reconcile/allowance_return.py) ---
+    Service("allowance-return", "aivedio.reconcile.allowance_return",
+            "the spend allowances of partitioned wallets' admission slots (ch. 20.11.4): every one given back to its "
+            "wallet, one RELEASE (reason ALLOWANCE_RETURN) to the very lots per wallet, so none is stranded and the "
+            "expiry sweep sees the lots' credit; slots refill from the wallet when they next admit",
+            "move a task's reservation, or credit between wallets"),
 )
 
 

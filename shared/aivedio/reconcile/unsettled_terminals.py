@@ -113,13 +113,16 @@ def terminal_payload(task: dict, attempt: dict | None) -> tuple[str, dict[str, A
         return None
     if not attempt.get("final_reason"):
         return None
+    # The media pipeline's failure (aivedio.media.pipeline) ends a task whose attempt finished as
+    # the provider's success: its event's stage is the undelivered result's.
+    stage = "MEDIA_DELIVERY_FAILED" if state == "MEDIA_INGEST_FAILED" else attempt["final_reason"]
     job = _job_of(attempt)
     usage = _usage(job)
     if usage is None and attempt.get("actual_cost_amount") is not None:  # the job document is gone, its cost is not
         usage = {"seconds": None, "cost_amount": str(attempt["actual_cost_amount"]), "currency": attempt["actual_cost_currency"]}
     return event_type, {
         "task_id": str(task["task_id"]), "tenant_id": str(task["tenant_id"]), "attempt_id": str(attempt["attempt_id"]),
-        "state": state, "stage": attempt["final_reason"], "provider": attempt["provider"],
+        "state": state, "stage": stage, "provider": attempt["provider"],
         "provider_account": attempt["provider_account"],
         "provider_job_id": job.id if job is not None else attempt["provider_job_id"],
         "charge_id": job.charge_id if job is not None else None,
