@@ -146,3 +146,13 @@ def claim_first(platform, tenant) -> "AttemptRef":
                            (task_id,)).fetchone()
     assert row is not None, "the scheduler claimed nothing"
     return AttemptRef(row["tenant_id"], row["task_id"], row["attempt_id"], row["fencing_token"])
+
+
+def index_queued(platform, task_id) -> None:
+    """What the queue indexer does with a requeue's TaskQueued (tests that run no outbox relay): the
+    task's tenant back on its lane's ring, which a visit that drained it took it off."""
+    from aivedio.scheduling.ring import Ring
+
+    with platform.db.connection() as conn:
+        t = conn.execute("select tenant_id, queue_class from generation_task where task_id = %s", (task_id,)).fetchone()
+    Ring(platform).add(t["queue_class"], t["tenant_id"])

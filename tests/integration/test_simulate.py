@@ -7,9 +7,9 @@ The provider-bound scenarios (issue "Fair shares where capacity really binds") a
 the simulation itself guarantees: the config's provider accounts are the capacity the claim holds,
 utilisation is of those slots, the invariants hold and the report carries every figure. The weighted
 shares (fairness error <= 0.03, per account where there are two) are asserted too, since the
-scheduler keeps a turn paused on the binding key across Scheduler objects; whale-provider-bound's
-wait target (p99 within 1.5x of the realised-slot ideal) is reported in doc["targets"], not asserted:
-at full size the scheduler misses it (2.2x)."""
+scheduler keeps a turn paused on the binding key across Scheduler objects; so is whale-provider-bound's
+wait target (every small tenant's p99 within 1.5x of the realised-slot ideal), met since a drained
+tenant leaves the ring at once (1.13x at full size, 2.17x before)."""
 from __future__ import annotations
 
 import pytest
@@ -174,6 +174,28 @@ def test_two_accounts_report_fairness_per_pool(redis_url):
 
 
 @pytest.mark.timeout(300)
+def test_a_tenant_on_both_accounts_gets_its_weight_in_each(redis_url):
+    """two-accounts with a fifth tenant, ab-both (weight 2), ordering for both accounts alternately:
+    DRR per binding pool gives it 2/8 of account A and 2/5 of account B. One deficit per (lane,
+    tenant) gave it 0.14 and 0.29 (error 0.11 in both pools): its quantum was split across the
+    accounts, and a turn paused on a full account held back its work for the other. Run at full
+    size (0.006 to 0.027 here): at half size the 3-slot account's windows are too few units for
+    0.04 (one run measured 0.044)."""
+    doc = run_scenario("two-accounts", admin_url=admin_url(), redis_url=redis_url, policies=("drr",),
+                       params={"horizon": 480, "window": 120, "both_weight": 2})
+    run = doc["runs"]["drr"]
+    pools = run["pools"]["PAID_SHARED"]
+    fair = {ACCOUNT_A: 2 / 8, ACCOUNT_B: 2 / 5}
+    print({pool: (d["fairness_error"], {n: t["share"] for n, t in d["tenants"].items()}) for pool, d in pools.items()})
+    for pool, d in pools.items():
+        assert "ab-both" in d["tenants"], d["tenants"]
+        assert abs(d["tenants"]["ab-both"]["share"] - fair[pool]) <= 0.04, (pool, d["tenants"])
+        assert d["fairness_error"] <= 0.04, (pool, d["fairness_error"], d["tenants"])
+    assert run["utilisation"]["when_work_queued"] >= 0.95
+    _invariants_hold(run)
+
+
+@pytest.mark.timeout(300)
 def test_whale_provider_bound_reports_small_tenant_waits_against_the_account_slots(redis_url):
     """The whale and four small tenants on one account of 8 slots under a lane of 200 units: the
     realised-slot ideal counts that account's completions (about 8 slots / 10 s), and DRR's small
@@ -190,6 +212,7 @@ def test_whale_provider_bound_reports_small_tenant_waits_against_the_account_slo
             assert v["p99_wait"] is not None and v["p99_realised_slot_ideal"] is not None
         assert f["worst_p99_over_realised_slot_ideal"] is not None and f["worst_p99_over_ideal"] is not None
     assert ff["worst_p99_over_realised_slot_ideal"] > fd["worst_p99_over_realised_slot_ideal"]
+    assert fd["worst_p99_over_realised_slot_ideal"] <= 1.5, fd
     for run in doc["runs"].values():
         assert run["utilisation"]["by_account"][ACCOUNT]["max_concurrency"] == 8
         assert run["utilisation"]["when_work_queued"] >= 0.95

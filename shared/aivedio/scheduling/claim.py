@@ -13,6 +13,7 @@ from datetime import datetime
 import psycopg
 from psycopg.types.json import Jsonb
 
+from aivedio.chaos import safeguards
 from aivedio.scheduling.resources import Demand, account_key, ensure_pools, preferred_shard, provider_key
 from aivedio.scheduling.router import Route
 
@@ -44,6 +45,7 @@ class Claimed:
     route: Route
     capacity_mode: str
     units: int
+    enqueued_at: datetime | None = None  # for the queue-wait histogram
 
 
 def tenant_demands(task: dict, policy: dict) -> list[tuple[Demand, int]]:
@@ -73,6 +75,19 @@ def demands_for(task: dict, route: Route, *, lane_key: str, borrowed: bool, shar
     if borrowed:
         d.append(Demand(LENDER_KEY, units, 1))
     return d
+
+
+def claim_demands(task: dict, route: Route, policy: dict, *, lane_key: str, borrowed: bool, shards: int) -> list[Demand]:
+    """Every key a claim increments, in the order it does (sorted: the lock order), so the first
+    key without room is the one NoRoom names (aivedio.scheduling.why_waiting checks the same list)."""
+    demands = (demands_for(task, route, lane_key=lane_key, borrowed=borrowed, shards=shards)
+               + [d for d, _ in tenant_demands(task, policy)])
+    if safeguards.broken("capacity-check"):
+        # A chaos run only: the provider account's slots are not taken, so a full account never refuses a claim.
+        account = {account_key(route.provider, route.account),
+                   provider_key(route.provider, route.account, route.region, route.model)}
+        demands = [d for d in demands if d.key not in account]
+    return sorted((d for d in demands if d.units > 0), key=lambda d: d.key)
 
 
 def claim(
@@ -116,8 +131,7 @@ def _claim(conn: psycopg.Connection, task: dict, route: Route, policy: dict, cap
            prefer: int | None) -> Claimed:
     attempt_id = uuid.uuid4()
     mode = "BORROWED" if borrowed else "NORMAL"
-    demands = sorted((d for d in demands_for(task, route, lane_key=lane_key, borrowed=borrowed, shards=shards)
-                      + [d for d, _ in tenant_demands(task, policy)] if d.units > 0), key=lambda d: d.key)
+    demands = claim_demands(task, route, policy, lane_key=lane_key, borrowed=borrowed, shards=shards)
     if prefer is None:
         prefer = preferred_shard(task["task_id"])
     event_id = uuid.uuid4()
@@ -144,7 +158,7 @@ def _claim(conn: psycopg.Connection, task: dict, route: Route, policy: dict, cap
         raise NoRoom(key)
     else:
         raise NoRoom(row["detail"])
-    return Claimed(task["task_id"], attempt_id, row["fencing"], route, mode, task["fairness_units"])
+    return Claimed(task["task_id"], attempt_id, row["fencing"], route, mode, task["fairness_units"], task.get("enqueue_at"))
 
 
 CLAIM = """select status, detail, fencing, task_version

@@ -13,7 +13,9 @@ from uuid import UUID
 
 import psycopg
 
+from aivedio.chaos import safeguards
 from aivedio.config import PlatformConfig
+from aivedio.tasks import TERMINAL
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,22 @@ def platform_pools(config: PlatformConfig) -> dict[str, tuple[int, int]]:
         pools[f"model:{m}"] = (config.limits.model_global_running_cap, n)
     pools["worker:cpu"] = (config.pools.worker_cpu_units, n)
     pools["worker:gpu"] = (config.pools.worker_gpu_units, n)
+    # The media workers' slots, one pool per media resource class (aivedio.media.pipeline), one shard
+    # each: a job takes up to 6 units, which must fit on one shard.
+    for media_class, units in media_pool_units(config).items():
+        pools[media_pool_key(media_class)] = (units, 1)
     pools["cost:platform"] = (config.limits.platform_cost_per_minute, n)
     return pools
+
+
+def media_pool_key(media_class: str) -> str:
+    """The pool of one media resource class's worker slots: worker:cpu-proxy, worker:gpu-render, ..."""
+    return f"worker:{media_class}"
+
+
+def media_pool_units(config: PlatformConfig) -> dict[str, int]:
+    m = config.media
+    return {"cpu-proxy": m.cpu_proxy_units, "gpu-render": m.gpu_render_units, "gpu-highmem": m.gpu_highmem_units}
 
 
 def ensure_pool(conn: psycopg.Connection, key: str, capacity: int, shards: int = 1) -> None:
@@ -86,15 +102,109 @@ def ensure_platform_pools(conn: psycopg.Connection, config: PlatformConfig) -> N
     """Create or resize the config's pools. Only pools whose shards differ from the config are
     written: an upsert locks its row even when it changes nothing, so touching every shard made a
     process start wait for (and deadlock with) the claims and releases running, and it lifted the
-    adaptive limits (AIMD) that a start must leave alone."""
-    pools = platform_pools(config)
-    have = {(r["resource_key"], r["shard_no"]): r["capacity_units"]
-            for r in conn.execute("select resource_key, shard_no, capacity_units from resource_pool_shard where resource_key = any(%s)",
-                                  (list(pools),)).fetchall()}
-    todo = [(key, cap, shards) for key, (cap, shards) in sorted(pools.items())
-            if [have.get((key, i)) for i in range(shards)] != split(cap, shards)]
-    if todo:
-        ensure_pools(conn, todo)
+    adaptive limits (AIMD) that a start must leave alone. An operator's overrides (migration 0170,
+    aivedio.admin.capacity) apply on top of the config, so a start never undoes them, nor splits a
+    pool whose lowered capacity is still draining (resize_pool, as the operator's change did)."""
+    from aivedio.admin.capacity import effective_pools, load_overrides  # it imports this module
+
+    def unsettled(keys: list[str] | None) -> tuple[dict[str, tuple[int, int]], dict[str, list[int]], list[str]]:
+        """The pools in force, the shard numbers each key has, and the keys (of `keys`, default
+        all) whose shards are not the plain split of their capacity."""
+        pools = effective_pools(config, load_overrides(conn))
+        keys = list(pools) if keys is None else keys
+        have: dict[str, dict[int, int]] = {}
+        for r in conn.execute("select resource_key, shard_no, capacity_units from resource_pool_shard where resource_key = any(%s)",
+                              (keys,)).fetchall():
+            have.setdefault(r["resource_key"], {})[r["shard_no"]] = r["capacity_units"]
+        shard_nos = {k: sorted(v) for k, v in have.items()}
+        todo = [k for k in sorted(keys) if k in pools
+                and [have.get(k, {}).get(i) for i in range(pools[k][1])] != split(*pools[k])]
+        return pools, shard_nos, todo
+
+    _, _, candidates = unsettled(None)
+    if not candidates:
+        return
+    with conn.transaction():
+        # As admin.capacity.converge: the candidates' shards locked first (key, shard order, as
+        # claims take them), then the overrides and shards read again, so an operator's change
+        # committed meanwhile is applied, never undone by the overrides read above.
+        conn.execute("""select 1 from resource_pool_shard where resource_key = any(%s) order by resource_key, shard_no
+                        for update""", (candidates,))
+        pools, shard_nos, todo = unsettled(candidates)
+        # A pool without shards is created from the split; an existing one is moved by resize_pool,
+        # from what runs on each shard: while a lowered capacity drains (more running on a shard
+        # than its share), a plain split would give the other shards their full share as well. The
+        # adaptive (AIMD) limits stay.
+        missing = [(k, *pools[k]) for k in todo if k not in shard_nos]
+        if missing:
+            ensure_pools(conn, missing)
+        for k in todo:
+            if k not in shard_nos:
+                continue
+            cap, shards = pools[k]
+            if gaps := [i for i in range(shards) if i not in shard_nos[k]]:  # more shards now: the new ones start empty
+                with conn.cursor() as cur:
+                    cur.executemany("""insert into resource_pool_shard (resource_key, shard_no, capacity_units, used_units, limit_units)
+                                       values (%s, %s, 0, 0, null) on conflict do nothing""", [(k, i) for i in gaps])
+            resize_pool(conn, k, cap, shards, keep_adaptive=True)
+
+
+def shard_allocation(total: int, used: list[int]) -> list[tuple[int, int | None]]:
+    """(capacity, limit) per shard that moves a pool to `total` units while `used` units run on its
+    shards, such that no claim ever takes the pool's units in use past `total`, however the running
+    work is spread over the shards (split() alone would let an under-used shard fill while another
+    still holds more than its share). Running work is never cut: capacity stays >= used.
+    - every shard within its share: the plain split, no limit;
+    - the pool within total but some shard over its share: each shard keeps what runs, and the room
+      left goes to the shards under their share (the capacities add up to total);
+    - more running than total: no shard takes new work until the excess has drained; a shard's limit
+      is what it would still hold if the whole excess left it (sum(limits) <= total). That holds
+      back more than needed meanwhile, so a later resize (aivedio.admin.capacity.converge) re-splits."""
+    target = split(total, len(used))
+    if all(u <= t for u, t in zip(used, target)):
+        return [(t, None) for t in target]
+    over = sum(used) - total
+    if over > 0:
+        return [(u, lim if (lim := max(0, u - over)) < u else None) for u in used]
+    room, out = -over, []
+    for u, t in zip(used, target):
+        give = min(room, max(0, t - u))
+        room -= give
+        out.append((u + give, None))
+    return out
+
+
+def resize_pool(conn: psycopg.Connection, key: str, total: int, shards: int, *, keep_adaptive: bool = False) -> bool:
+    """Move an existing pool to `total` units now, under its shards' row locks (key order, as claims
+    take them), by shard_allocation(); a pool without shards is created. `keep_adaptive` keeps an
+    adaptive (AIMD) limit below the new capacity; otherwise an operator's resize lifts it (the next
+    429 sets it again). Returns whether any shard changed."""
+    rows = conn.execute("""select shard_no, capacity_units, used_units, limit_units from resource_pool_shard
+                            where resource_key = %s order by shard_no for update""", (key,)).fetchall()
+    if not rows:
+        ensure_pools(conn, [(key, total, shards)])
+        return True
+    alloc = shard_allocation(total, [int(r["used_units"]) for r in rows])
+    # A drain (capacities above the total) set its own limits; otherwise a limit is the adaptive one.
+    adaptive = keep_adaptive and sum(int(r["capacity_units"]) for r in rows) <= total
+    changes = []
+    for r, (cap, lim) in zip(rows, alloc):
+        if adaptive and lim is None and r["limit_units"] is not None and r["limit_units"] < cap:
+            lim = r["limit_units"]
+        if (r["capacity_units"], r["limit_units"]) != (cap, lim):
+            changes.append({"k": key, "s": r["shard_no"], "c": cap, "l": lim})
+    if changes:
+        with conn.cursor() as cur:
+            cur.executemany("""update resource_pool_shard set capacity_units = %(c)s, limit_units = %(l)s,
+                                      version = version + 1, updated_at = now()
+                                where resource_key = %(k)s and shard_no = %(s)s""", changes)
+    return bool(changes)
+
+
+def pool_settled(capacities: list[int], total: int) -> bool:
+    """Whether a pool's shard capacities are the plain split of `total`: nothing left for a resize
+    to converge (a limit left then is the adaptive one's)."""
+    return bool(capacities) and capacities == split(total, len(capacities))
 
 
 def set_limit(conn: psycopg.Connection, key: str, total_limit: int | None) -> None:
@@ -138,15 +248,55 @@ def preferred_shard(ident: UUID | str) -> int:
     return zlib.crc32(str(ident).encode())
 
 
+# Whether an attempt's task is terminal: read only with release-on-terminal broken.
+TASK_TERMINAL = """select 1 from task_attempt a join generation_task t on t.task_id = a.task_id
+                    where a.attempt_id = %s and t.state = any(%s)"""
+
+
 def release_attempt(conn: psycopg.Connection, attempt_id: UUID, now: datetime) -> list[dict]:
     """Release every ACTIVE reservation of an attempt. The CAS to RELEASED decides who decrements:
     a second release finds nothing ACTIVE and changes nothing."""
+    if safeguards.broken("release-on-terminal") and conn.execute(TASK_TERMINAL, (attempt_id, list(TERMINAL))).fetchone() is not None:
+        return []  # a chaos run only: a terminal task keeps its reservations ACTIVE (a requeue still releases)
     released = conn.execute(
         """update resource_reservation set state = 'RELEASED', released_at = %s
             where attempt_id = %s and state = 'ACTIVE'
             returning resource_key, shard_no, reserved_units""",
         (now, attempt_id),
     ).fetchall()
+    _give_back(conn, released)
+    return released
+
+
+def reserve_key(conn: psycopg.Connection, *, task_id: UUID, tenant_id: UUID, attempt_id: UUID, key: str, units: int,
+                fencing_token: int, lease_until: datetime, now: datetime, prefer: int, shards: int = 1) -> int | None:
+    """Reserve `units` of one key for work of an attempt outside the claim (a media job's worker
+    slots): the claim's conditional increment, then the reservation row, ACTIVE. The row's key is
+    (attempt_id, resource_key), so work that runs again under the same attempt (a media retry)
+    takes its RELEASED row back. Returns the shard, or None when the key has no room (nothing was
+    written). Run under a savepoint: a row still ACTIVE means the caller holds the units already,
+    and raises."""
+    shard = try_increment(conn, key, units, prefer, shards)
+    if shard is None:
+        return None
+    written = conn.execute(
+        """insert into resource_reservation (task_id, attempt_id, tenant_id, resource_key, shard_no, reserved_units, state,
+                                             lease_until, fencing_token, capacity_mode, created_at)
+           values (%(task)s, %(attempt)s, %(tenant)s, %(key)s, %(shard)s, %(units)s, 'ACTIVE', %(lease)s, %(fencing)s, 'NORMAL', %(now)s)
+           on conflict (attempt_id, resource_key) do update
+              set shard_no = excluded.shard_no, reserved_units = excluded.reserved_units, state = 'ACTIVE',
+                  lease_until = excluded.lease_until, fencing_token = excluded.fencing_token, created_at = excluded.created_at,
+                  released_at = null
+            where resource_reservation.state = 'RELEASED'""",
+        {"task": task_id, "attempt": attempt_id, "tenant": tenant_id, "key": key, "shard": shard, "units": units,
+         "lease": lease_until, "fencing": fencing_token, "now": now}).rowcount
+    if not written:
+        raise RuntimeError(f"attempt {attempt_id} already holds {key}")
+    return shard
+
+
+def _give_back(conn: psycopg.Connection, released: list[dict]) -> None:
+    """Decrement the counters of the rows this transaction's CAS just moved to RELEASED, in key order."""
     if released:
         with conn.cursor() as cur:
             cur.executemany(
@@ -154,6 +304,18 @@ def release_attempt(conn: psycopg.Connection, attempt_id: UUID, now: datetime) -
                     where resource_key = %(resource_key)s and shard_no = %(shard_no)s""",
                 sorted(released, key=lambda r: (r["resource_key"], r["shard_no"])),
             )
+
+
+def release_keys(conn: psycopg.Connection, attempt_id: UUID, keys: list[str], now: datetime) -> list[dict]:
+    """release_attempt for some keys of an attempt only (a media job's worker slots, while the rest
+    of the attempt's rows are its own business). The same CAS: a second release changes nothing."""
+    released = conn.execute(
+        """update resource_reservation set state = 'RELEASED', released_at = %s
+            where attempt_id = %s and resource_key = any(%s) and state = 'ACTIVE'
+            returning resource_key, shard_no, reserved_units""",
+        (now, attempt_id, list(keys)),
+    ).fetchall()
+    _give_back(conn, released)
     return released
 
 
@@ -164,6 +326,29 @@ def free_units(conn: psycopg.Connection, key: str) -> int:
         (key,),
     ).fetchone()
     return int(row["free"])
+
+
+# Per key, what the claim's conditional increment (used + units <= least(capacity, limit) on one
+# shard: aivedio_claim, try_increment) would allow, read without a lock.
+ROOM = """select resource_key,
+                 max(least(capacity_units, coalesce(limit_units, capacity_units)) - used_units)::bigint as room,
+                 sum(used_units)::bigint as used,
+                 sum(least(capacity_units, coalesce(limit_units, capacity_units)))::bigint as capacity
+            from resource_pool_shard where resource_key = any(%s) group by resource_key"""
+
+
+@dataclass(frozen=True)
+class Room:
+    room: int  # the most units one claim can take: the free units of its emptiest shard
+    used: int
+    capacity: int  # the limit in force, summed over the shards
+
+
+def rooms(conn: psycopg.Connection, keys: list[str]) -> dict[str, Room]:
+    """A claim of u units on a key fits iff u <= rooms[key].room. A key without shards is absent:
+    no claim fits there."""
+    return {r["resource_key"]: Room(int(r["room"]), int(r["used"]), int(r["capacity"]))
+            for r in conn.execute(ROOM, (list(keys),)).fetchall()}
 
 
 def rebuild_counters(conn: psycopg.Connection) -> int:

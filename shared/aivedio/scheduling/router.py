@@ -3,6 +3,7 @@ breaker, free capacity), then a score per candidate (expected cost per success i
 failures and duplicate risk, latency and reliability), weighted by the tenant's tier."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -50,12 +51,16 @@ class ProviderStats:
 DEFAULT_STATS = ProviderStats(0.95, 0.02, 0.0, 60.0, 0)
 
 
-def provider_stats(platform) -> dict[str, ProviderStats]:
-    """Recent outcomes per provider, from what PostgreSQL recorded; cached for a moment per process."""
+def provider_stats(platform, conn=None) -> dict[str, ProviderStats]:
+    """Recent outcomes per provider, from what PostgreSQL recorded; cached for a moment per process.
+    `conn`: read on this connection (the caller's transaction) when the cache is stale, instead of
+    taking one from the pool: a claim holding shard locks that waits for the pool, while the pool's
+    connections wait for those locks (releases), hangs every caller until the pool's timeout."""
 
     def load() -> dict[str, ProviderStats]:
         since = platform.clock.now() - platform.clock.delta(platform.config.timers.throughput_window_seconds * 6)
-        rows = platform.db.fetchall(
+        with (nullcontext(conn) if conn is not None else platform.db.connection()) as c:
+            rows = c.execute(
             """select provider,
                       count(*) as n,
                       count(*) filter (where state in ('SUCCEEDED', 'PROVIDER_SUCCEEDED')) as ok,
@@ -65,8 +70,8 @@ def provider_stats(platform) -> dict[str, ProviderStats]:
                  from task_attempt
                 where created_at > %s and state in ('SUCCEEDED', 'PROVIDER_SUCCEEDED', 'FAILED')
                 group by provider""",
-            (since,),
-        )
+                (since,),
+            ).fetchall()
         out = {}
         for r in rows:
             n = max(1, r["n"])
@@ -96,13 +101,20 @@ def candidates(config: PlatformConfig, model: str, resolution: str, duration_sec
     return out
 
 
-def route(platform, task: dict, tier: str, free_by_key: dict[str, int] | None = None) -> list[Route]:
+def route(platform, task: dict, tier: str, free_by_key: dict[str, int] | None = None, conn=None) -> list[Route]:
     """Candidate routes for a task, best first. Accounts without free slots or behind an open
-    breaker are left out; the claim still re-checks capacity with a conditional increment."""
-    stats = provider_stats(platform)
+    breaker are left out; the claim still re-checks capacity with a conditional increment. `conn`:
+    the caller's transaction, for provider_stats."""
+    stats = provider_stats(platform, conn)
     w_cost, w_lat, w_rel = TIER_WEIGHTS.get(tier, TIER_WEIGHTS["STANDARD"])
+    able = candidates(platform.config, task["model_code"], task["resolution"], task["duration_seconds"])
+    # The cost term compares the candidates' expected cost per success with the cheapest list price
+    # among them (ch. 20.9.3: not the list price alone, and not without it). Divided by each
+    # provider's own price, as it was, the price cancelled out and only the success rate was left,
+    # so a provider at a quarter of the price scored the same as a dear one.
+    cheapest = min((Decimal(p.cost_per_second) for p, _ in able), default=Decimal(0)) * task["duration_seconds"]
     out = []
-    for p, a in candidates(platform.config, task["model_code"], task["resolution"], task["duration_seconds"]):
+    for p, a in able:
         st = stats.get(p.name, DEFAULT_STATS)
         if st.breaker_open:
             continue
@@ -112,7 +124,7 @@ def route(platform, task: dict, tier: str, free_by_key: dict[str, int] | None = 
         success = max(st.success_rate, 0.05)
         # ch. 20.9.3: billable failures and duplicates are paid for, and spread over the successes.
         expected = unit_cost * Decimal(str((1 + st.billable_failure_rate + st.duplicate_rate) / success))
-        score = (w_cost * float(expected) / max(float(unit_cost), 1e-9)
+        score = (w_cost * float(expected) / max(float(cheapest), 1e-9)
                  + w_lat * st.mean_latency_seconds / 60.0
                  + w_rel * (1 - success) * 10)
         out.append(Route(p.name, a.account_id, a.region, task["model_code"], score, expected.quantize(Decimal("0.00000001")), p.currency))

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
+from typing import Callable, TypeVar
+from datetime import datetime, timedelta
 from uuid import UUID
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 from aivedio import degraded
+from aivedio.admin import capacity
+from aivedio.admin.policy import POLICY_EPOCH, admitted_service_class
 from aivedio.billing import budgets
 from aivedio.billing.errors import BudgetExceeded, CurrencyMismatch
-from aivedio.metrics_catalog import CLAIMS, FIT_SCAN_SKIPS
+from aivedio.metrics_catalog import CLAIMS, FIT_SCAN_SKIPS, QUEUE_WAIT_SECONDS
 from aivedio.observability import logger, publish
 from aivedio.scheduling import drr, router
 from aivedio.scheduling.claim import ENTERPRISE, LENDER_KEY, Claimed, NoRoom, claim
@@ -40,6 +44,7 @@ class VisitResult:
     claims: list[Claimed] = field(default_factory=list)
     more: bool = False  # the batch filled while deficit remains: the tenant's turn continues
     pending: bool = False  # stopped by shared capacity (FULL, or a BLOCKED head that holds the lane) with deficit left
+    drained: bool = False  # the visit claimed the tenant's last queued task in the lane: it leaves the ring
 
 
 @dataclass
@@ -55,17 +60,25 @@ def _policy(conn, tenant_id: UUID) -> dict:
 
 
 def head_tasks(conn, lane: str, tenant_id: UUID, now, limit: int, *, skip_users: list[UUID] | None = None,
-               skip_tasks: list[UUID] | None = None) -> list[dict]:
+               skip_tasks: list[UUID] | None = None, skip_shapes: list[str] | None = None) -> list[dict]:
     """A tenant's next tasks in a lane: best priority band first, FIFO within a band. `skip_users`
     leaves out users at their own caps (and `skip_tasks` what the visit has already read), so a visit
-    can go on with the tenant's other users."""
+    can go on with the tenant's other users; `skip_shapes` leaves out tasks of those shapes (see
+    task_shape), whose pools the visit found stopped, so it can go on with the tenant's other pools."""
     return conn.execute(
         """select * from generation_task
             where state = 'QUEUED' and queue_class = %s and tenant_id = %s and next_eligible_at <= %s
               and user_id <> all(%s::uuid[]) and task_id <> all(%s::uuid[])
+              and model_code || '/' || resolution || '/' || duration_seconds <> all(%s::text[])
             order by priority_band, next_eligible_at, enqueue_at limit %s""",
-        (lane, tenant_id, now, skip_users or [], skip_tasks or [], limit),
+        (lane, tenant_id, now, skip_users or [], skip_tasks or [], skip_shapes or [], limit),
     ).fetchall()
+
+
+def task_shape(task: dict) -> str:
+    """What decides a task's pool (router.candidates): its model, resolution and duration, as
+    head_tasks' skip_shapes spells it."""
+    return f"{task['model_code']}/{task['resolution']}/{task['duration_seconds']}"
 
 
 def _waiting(conn, lane: str, tenant_id: UUID) -> bool:
@@ -75,22 +88,135 @@ def _waiting(conn, lane: str, tenant_id: UUID) -> bool:
         (lane, tenant_id)).fetchone()["w"]
 
 
-# Paused turns (migration 0100): the turn that capacity cut short, per key, oldest first.
-# The first few per key are enough: a tick resumes about as many turns on a key as it has free slots.
+# Paused turns (migrations 0100, 0210): the turns that capacity cut short, per key, oldest first,
+# one row per paused pool of a tenant (a row from before 0210 is its own single pool). The first few
+# per key are enough: a tick resumes about as many turns on a key as it has free slots.
 PAUSED_TURNS = """select tenant_id, paused_on, paused_kind from (
                     select tenant_id, paused_on, paused_kind, paused_at, turn_ended_at,
                            row_number() over (partition by paused_on
                                               order by paused_kind = 'WAITING', case when paused_kind = 'TURN' then paused_at end,
                                                        turn_ended_at nulls first, tenant_id) as n
-                      from drr_lane_tenant where lane = %(lane)s and paused_kind is not null) q
+                      from (select d.tenant_id, t.paused_on, t.paused_kind, t.paused_at, t.turn_ended_at
+                              from drr_lane_tenant d
+                              cross join lateral (
+                                  select e.value->>'on' as paused_on, e.value->>'kind' as paused_kind,
+                                         (e.value->>'at')::timestamptz as paused_at, (e.value->>'ended')::timestamptz as turn_ended_at
+                                    from jsonb_each(d.pool_turns) e
+                                   where e.value->>'kind' is not null
+                                  union all
+                                  select d.paused_on, d.paused_kind, d.paused_at, d.turn_ended_at where d.pool_turns = '{}'::jsonb) t
+                             where d.lane = %(lane)s and d.paused_kind is not null) turns) q
                    where n <= %(per_key)s
                    order by paused_kind = 'WAITING', case when paused_kind = 'TURN' then paused_at end,
                             turn_ended_at nulls first, tenant_id"""
-CLEAR_PAUSE = """update drr_lane_tenant set paused_on = null, paused_at = null, paused_kind = null, updated_at = %s
+CLEAR_PAUSE = """update drr_lane_tenant set paused_on = null, paused_at = null, paused_kind = null, updated_at = %s, pool_turns = %s
                   where lane = %s and tenant_id = %s and paused_kind is not null"""
-PROVIDER_FREE = """select coalesce(sum(greatest(0, least(capacity_units, coalesce(limit_units, capacity_units)) - used_units)),
-                              0)::bigint as free
-                     from resource_pool_shard where resource_key = any(%s)"""
+# The free units of each key of a set, for the keys that have shards (one round trip for the view).
+KEYS_FREE = """select resource_key,
+                     sum(greatest(0, least(capacity_units, coalesce(limit_units, capacity_units)) - used_units))::bigint as free
+                from resource_pool_shard where resource_key = any(%s) group by resource_key"""
+# The worker pool every generation task takes units of (admission: media_units >= 1 at every
+# resolution); worker:gpu and the media classes bind only some tasks, so they are left to the claim.
+WORKER_KEY = "worker:cpu"
+
+
+ACCOUNT_PREFIX = "provider-account:"
+
+
+def pool_of(config, task: dict) -> str:
+    """The binding pool a task's claim draws on: the provider accounts able to run it (the
+    capability matrix, router.candidates), as one key. Tasks with the same pool compete for the
+    same slots; a tenant's tasks for different pools are different DRR flows."""
+    return "|".join(sorted(account_key(p.name, a.account_id)
+                           for p, a in router.candidates(config, task["model_code"], task["resolution"], task["duration_seconds"])))
+
+
+def _iso(t: datetime | None) -> str | None:
+    return t.isoformat() if t is not None else None
+
+
+def _at(s: str | None) -> datetime | None:
+    return datetime.fromisoformat(s) if s else None
+
+
+@dataclass(frozen=True)
+class PoolTurn:
+    """One pool's DRR turn for a tenant in a lane (drr_lane_tenant.pool_turns, migration 0210):
+    its deficit, and how it stands towards the key it waits for (kind TURN or WAITING, as 0100's
+    paused_kind), since when, and when its last turn ended."""
+    deficit: int = 0
+    kind: str | None = None
+    on: str | None = None
+    at: datetime | None = None
+    ended: datetime | None = None
+
+    @staticmethod
+    def load(st: dict, first_pool: str | None) -> dict[str, "PoolTurn"]:
+        raw = st.get("pool_turns") or {}
+        if not raw:  # a row from before per-pool turns: its state is its first head's pool's
+            if first_pool is None:
+                return {}
+            return {first_pool: PoolTurn(int(st["deficit"]), st["paused_kind"], st["paused_on"], st["paused_at"], st["turn_ended_at"])}
+        return {k: PoolTurn(int(v["deficit"]), v.get("kind"), v.get("on"), _at(v.get("at")), _at(v.get("ended"))) for k, v in raw.items()}
+
+    @staticmethod
+    def dump(turns: dict[str, "PoolTurn"]) -> Jsonb:
+        return Jsonb({k: {"deficit": t.deficit, "kind": t.kind, "on": t.on, "at": _iso(t.at), "ended": _iso(t.ended)}
+                      for k, t in turns.items()})
+
+    @staticmethod
+    def index(turns: dict[str, "PoolTurn"]) -> tuple[str | None, str | None, datetime | None, datetime | None]:
+        """(paused_on, paused_kind, paused_at, turn_ended_at) for the row: the paused pool that the
+        tick's paused-turn query should resume first (TURN before WAITING, then the longest
+        paused), or no pause and the latest turn end."""
+        paused = [t for t in turns.values() if t.kind is not None]
+        if paused:
+            t = min(paused, key=lambda t: (t.kind == "WAITING", t.at))
+            return t.on, t.kind, t.at, t.ended
+        ended = [t.ended for t in turns.values() if t.ended is not None]
+        return None, None, None, max(ended, default=None)
+
+    def after(self, lt: "_LiveTurn", now: datetime, *, more: bool, lane_key: str) -> "PoolTurn":
+        """This pool's state once the visit that served it ends."""
+        if not lt.granted:  # its key was full before its turn could begin: neither credited nor charged
+            at = self.at if (self.kind == "WAITING" and self.on == lt.wait_key) else now
+            return PoolTurn(self.deficit, "WAITING", lt.wait_key, at, self.ended)
+        on = lt.wait_key if lt.waiting else (lane_key if more and lt.open else None)
+        deficit = drr.end_turn(lt.deficit, lt.cap, continues=more and on == lane_key)  # at most one round's cap is banked
+        if on is None:
+            return PoolTurn(deficit, None, None, None, now)
+        at = self.at if (self.kind == "TURN" and self.on == on) else now
+        return PoolTurn(deficit, "TURN", on, at, self.ended)
+
+
+@dataclass
+class _LiveTurn:
+    """A pool's turn while a visit serves it."""
+    deficit: int
+    cap: int
+    resuming: bool
+    debt_paid: int
+    claims: int = 0
+    # None while open; SPENT (its deficit ran out, or its head can never fit), FULL (waits for
+    # wait_key to have room), BLOCKED (its head holds the lane until it fits on wait_key)
+    status: str | None = None
+    wait_key: str | None = None
+    too_big: int | None = None  # units of a head that did not fit the room left this visit
+
+    @property
+    def open(self) -> bool:
+        return self.status is None
+
+    @property
+    def waiting(self) -> bool:
+        """Stopped by shared capacity with deficit left: the turn goes on when wait_key has room."""
+        return self.status in ("FULL", "BLOCKED") and self.wait_key is not None
+
+    @property
+    def granted(self) -> bool:
+        """Whether its turn began: a pool whose key was full at its first claim, in a turn not
+        already under way, waits for the key instead (its quantum is not granted)."""
+        return not (self.status == "FULL" and self.wait_key is not None and self.claims == 0 and not self.resuming)
 
 
 def _can_ever_fit(conn, key: str, task: dict) -> bool:
@@ -107,13 +233,20 @@ class LaneView:
 
     def __init__(self, platform, conn, lane: str):
         self.platform, self.lane = platform, lane
-        cfg = platform.config.lanes
+        cfg = capacity.effective_config(platform, conn).lanes  # with the operator's overrides (issue 16)
         self.free = free_units(conn, f"lane:{lane}")
         # Provider slots bind a claim as much as the lane does, and usually first (ch. 18.5.3): with
         # none free anywhere no claim can succeed, and a lane "with room" would otherwise grant
         # several rounds' quanta that the provider then cannot serve.
         accounts = [account_key(p.name, a.account_id) for p in platform.config.providers for a in p.accounts]
-        self.provider_free = int(conn.execute(PROVIDER_FREE, (accounts,)).fetchone()["free"])
+        models = [f"model:{m}" for m in platform.config.models]
+        free = {r["resource_key"]: int(r["free"]) for r in conn.execute(KEYS_FREE, (accounts + models + [WORKER_KEY],))}
+        self.provider_free = sum(free.get(k, 0) for k in accounts)
+        # So do the models' global running caps and the workers' slots: a model cap of 6 under a lane
+        # of 200 and accounts of 500 is as scarce as an account of 6. A key without shards (a pool
+        # the deployment has not created) is None here: the view does not count it.
+        self.model_free: int | None = sum(free[k] for k in models if k in free) if any(k in free for k in models) else None
+        self.worker_free: int | None = free.get(WORKER_KEY)
         self.can_borrow = False
         if lane in BORROWERS and cfg[ENTERPRISE].borrowable_units > 0:
             # Reserved demand returning stops new borrowing at once; running borrowed work finishes.
@@ -133,12 +266,70 @@ class LaneView:
 
     @property
     def has_room(self) -> bool:
-        return self.lane_has_room and self.provider_free > 0
+        """Whether some claim could succeed: room on the lane (or to borrow), on some provider
+        account, under some model's cap, and on the workers."""
+        return (self.lane_has_room and self.provider_free > 0 and (self.model_free is None or self.model_free > 0)
+                and (self.worker_free is None or self.worker_free > 0))
 
     @property
     def scarce_room(self) -> int:
-        """The room of the scarcer of the lane and the providers' slots, for the rounds multiplier."""
-        return min(self.free, self.provider_free)
+        """The room of the scarcest of the lane, the providers' slots, the models' caps and the
+        workers' slots, for the rounds multiplier."""
+        return min(x for x in (self.free, self.provider_free, self.model_free, self.worker_free) if x is not None)
+
+    def took(self, task: dict) -> None:
+        """What a claim of the task took from the shared keys the view counts (the lane's units are
+        counted by the caller, by capacity mode)."""
+        self.provider_free -= task["provider_slot_units"]
+        if self.model_free is not None:
+            self.model_free -= task["provider_slot_units"]
+        if self.worker_free is not None:
+            self.worker_free -= task["media_units"]
+
+
+def claim_options(view: LaneView, task: dict) -> list[tuple[str, bool]]:
+    """(lane key, borrowed) of each way a claim of the task may take lane capacity: its own lane,
+    then the enterprise lane's idle capacity, for a borrowing lane while the view lends."""
+    options = [(f"lane:{task['queue_class']}", False)]
+    if view.can_borrow and task["queue_class"] in BORROWERS and task["fairness_units"] <= view.borrow_room:
+        options.append((f"lane:{ENTERPRISE}", True))
+    return options
+
+
+T = TypeVar("T")
+
+
+def first_fit(routes: list[router.Route], options: list[tuple[str, bool]], attempt: Callable[[str, bool, router.Route], T]) -> T:
+    """The order a claim tries its ways: each lane option over every route, best route first.
+    `attempt` claims one way (or, in aivedio.scheduling.why_waiting, only checks it) and raises
+    NoRoom. The task's own caps, a moved task and a project budget end the search (no other way
+    gives room); a lane without room moves on to the next lane option, any other key to the next
+    route; the last NoRoom is the answer. One copy, so what why_waiting names is what claims meet."""
+    if not routes:
+        raise NoRoom("provider:none")
+    last: NoRoom | None = None
+    for lane_key, borrowed in options:
+        for r in routes:
+            try:
+                return attempt(lane_key, borrowed, r)
+            except NoRoom as e:
+                last = e
+                if e.tenant_bound or e.key == "task:moved" or e.key.startswith("project:"):
+                    raise
+                if e.key.startswith("lane:") or e.key == LENDER_KEY:
+                    break  # another provider will not make the lane bigger
+    raise last or NoRoom("provider:none")
+
+
+def budget_no_room(task: dict, scope: str) -> NoRoom:
+    """What a budget refusing an attempt is to the claim: a tenant's own budget caps the tenant; a
+    project's defers the task (no other route gives it room); any other scope is a route without
+    room, so the next route (another account, region) is tried."""
+    if scope.startswith("TENANT:"):
+        return NoRoom(f"tenant:{task['tenant_id']}:budget")
+    if scope.startswith("PROJECT:"):
+        return NoRoom(f"project:{task['tenant_id']}:{task['project_id']}:budget")
+    return NoRoom(f"budget:{scope or 'unknown'}")
 
 
 class Scheduler:
@@ -147,16 +338,23 @@ class Scheduler:
         self.ring = Ring(platform)
         self.cfg = platform.config.scheduler
         self._ensured: set[tuple[str, int]] = set()
-        self._weight_max, self._weight_read_at = 1, None
+        self._weight_max, self._weight_read_at, self._weight_epoch = 1, None, 0
+        self._admitted_tiers: dict[tuple[UUID, int], str] = {}  # (tenant, policy_version): immutable history
 
     # -- one tenant visit ---------------------------------------------------------------------
     def visit(self, lane: str, tenant_id: UUID, view: LaneView, conservative: bool, continuation: bool = False,
-              rounds: int = 1) -> VisitResult:
+              rounds: int = 1, resume_keys: frozenset[str] | None = None) -> VisitResult:
         """One DRR turn (or, with continuation, the rest of a turn cut short by the batch size: no
         new quantum, so batching never changes the shares). `rounds` > 1 grants that many quanta at
         once, for a lane with room for that many rounds of every active tenant (see _rounds): the
         same shares in fewer visits. What such a turn leaves unspent is not banked beyond one round's
-        cap, so abundance never turns into a burst once the lane is scarce again."""
+        cap, so abundance never turns into a burst once the lane is scarce again.
+
+        The turn is kept per binding pool (the accounts able to run a head, see pool_of): each pool
+        the tenant has work for is its own DRR flow, with its own deficit and pause, so a full
+        account pauses only that pool's turn and the tenant's work for another account goes on. A
+        visit with `resume_keys` (the tick found room on those keys for this tenant's paused turns)
+        serves only the pools paused on them: the others had their turn, or wait behind others."""
         p = self.platform
         batch = self.cfg.conservative_batch_size if conservative else self.cfg.batch_size
 
@@ -168,66 +366,112 @@ class Scheduler:
                               (lane, tenant_id)).fetchone()
             if st is None:
                 return VisitResult("BUSY")
-            # A turn that capacity paused resumes as a continuation, in whichever process or tick
-            # visits next: its quantum was granted when it started.
-            resuming = continuation or st["paused_kind"] == "TURN"
             policy = _policy(conn, tenant_id)
             heads = head_tasks(conn, lane, tenant_id, now, self.cfg.fit_scan_depth)
             if not heads:
                 # The turn is over either way: a paused turn with nothing to claim must not hold its key.
+                turns = {k: PoolTurn(t.deficit, ended=t.ended) for k, t in PoolTurn.load(st, None).items()}
                 if _waiting(conn, lane, tenant_id):
                     # Queued, but not eligible yet (a requeue's backoff after a 429): the tenant stays
                     # on the ring, or nothing would visit it again until the index is rebuilt.
                     if st["paused_kind"] is not None:
-                        conn.execute(CLEAR_PAUSE, (now, lane, tenant_id))
+                        conn.execute(CLEAR_PAUSE, (now, PoolTurn.dump(turns), lane, tenant_id))
                     return VisitResult("WAITING")
                 conn.execute("""update drr_lane_tenant set active = false, paused_on = null, paused_at = null,
-                                        paused_kind = null, updated_at = %s where lane = %s and tenant_id = %s""",
-                             (now, lane, tenant_id))
+                                        paused_kind = null, pool_turns = %s, updated_at = %s where lane = %s and tenant_id = %s""",
+                             (PoolTurn.dump(turns), now, lane, tenant_id))
                 return VisitResult("EMPTY")
-            turn = drr.begin_turn(deficit=st["deficit"], active=st["active"], fairness_debt=st["fairness_debt"],
-                                  weight=policy["weight"], base_quantum=self.cfg.base_quantum,
-                                  initial_burst_credit=policy["initial_burst_credit"], burst_rounds=policy["burst_rounds"],
-                                  biggest_head=max(h["fairness_units"] for h in heads), rounds=rounds, resuming=resuming)
-            deficit, debt_paid, cap = turn.deficit, turn.debt_paid, turn.cap
+            pool_cache: dict[str, str] = {}  # task shape -> pool
+
+            def pool(task: dict) -> str:
+                k = task_shape(task)
+                if k not in pool_cache:
+                    pool_cache[k] = pool_of(p.config, task)
+                return pool_cache[k]
+
+            turns = PoolTurn.load(st, pool(heads[0]))
+            debt_left = st["fairness_debt"]  # fairness debt is the tenant's: repaid once, from the first pool's quantum
+            live: dict[str, _LiveTurn] = {}  # the pools whose turn this visit serves
+
+            def begin(key: str) -> _LiveTurn | None:
+                nonlocal debt_left
+                if key in live:
+                    return live[key]
+                t = turns.setdefault(key, PoolTurn())
+                if resume_keys is not None and (t.kind is None or t.on not in resume_keys):
+                    return None  # not a turn the tick resumes: it had its turn, or waits behind others
+                resuming = continuation or t.kind == "TURN"
+                start = drr.begin_turn(deficit=t.deficit, active=st["active"], fairness_debt=debt_left,
+                                       weight=policy["weight"], base_quantum=self.cfg.base_quantum,
+                                       initial_burst_credit=policy["initial_burst_credit"], burst_rounds=policy["burst_rounds"],
+                                       biggest_head=max(h["fairness_units"] for h in heads if pool(h) == key),
+                                       rounds=rounds, resuming=resuming)
+                debt_left -= start.debt_paid
+                live[key] = _LiveTurn(start.deficit, start.cap, resuming, start.debt_paid)
+                return live[key]
+
             claims: list[Claimed] = []
             outcome = "CREDITED"
-            pending = False
-            too_big: int | None = None  # units of a head that did not fit the room left this visit
-            wait_key: str | None = None  # the shared key without room that stopped the turn
             # One shard index for every claim of this visit (see claim()): a per-task shard made two
             # concurrent batches lock shards in opposite orders and deadlock. Varies per visit.
             prefer = preferred_shard(tenant_id) + st["visits"]
-            tier = lane if lane in ("EXPENSIVE", "RECOVERY") else policy["service_class"]
             capped_users: set[UUID] = set()  # users at their own running caps: skipped for the rest of the visit
-            rescanned = False
+            rescanned = pools_rescanned = False
+            complete = len(heads) < self.cfg.fit_scan_depth  # every queued head was read
+            stopped = False  # the whole visit is over (the batch, the lane, a tenant cap, a head that holds the lane)
+
+            def stop_open(key: str | None) -> None:
+                """The lane (or a key every pool needs) stopped the visit: every pool's turn still open waits on it."""
+                for lt in live.values():
+                    if lt.open:
+                        lt.status, lt.wait_key = "FULL", key
+
             i = -1
-            while True:
+            while not stopped:
                 if i + 1 >= len(heads):
-                    if not capped_users or rescanned or len(heads) < self.cfg.fit_scan_depth or len(claims) >= batch:
+                    if complete or len(claims) >= batch:
                         break
-                    # Every head read was looked at and some were a capped user's: read the other
-                    # users' next heads, once per visit (a bounded scan).
-                    rescanned = True
-                    heads = heads + head_tasks(conn, lane, tenant_id, now, self.cfg.fit_scan_depth,
-                                               skip_users=list(capped_users), skip_tasks=[h["task_id"] for h in heads])
+                    open_pools = {k for k, lt in live.items() if lt.open}
+                    if capped_users and not rescanned and open_pools:
+                        # Every head read was looked at and some were a capped user's: read the other
+                        # users' next heads, once per visit (a bounded scan).
+                        rescanned, skip_shapes = True, []
+                    elif not pools_rescanned and len(turns) > 1 and (open_pools or any(
+                            k not in set(pool_cache.values()) and (resume_keys is None or turns[k].on in resume_keys) for k in turns)):
+                        # A tenant with work for several pools: a pool whose turn can go on has no more
+                        # heads in the read (the others' tasks fill it: a full account's queue grows
+                        # ahead of a free one's), or one it has work for was not read at all. Read past
+                        # the stopped pools' tasks, once per visit, so they do not hide the others'.
+                        pools_rescanned, skip_shapes = True, [sh for sh, k in pool_cache.items() if k not in open_pools]
+                    else:
+                        break
+                    heads = heads + head_tasks(conn, lane, tenant_id, now, self.cfg.fit_scan_depth, skip_users=list(capped_users),
+                                               skip_tasks=[h["task_id"] for h in heads], skip_shapes=skip_shapes)
                     if i + 1 >= len(heads):
                         break
                 i += 1
                 task = heads[i]
                 if task["user_id"] in capped_users:
                     continue
-                if len(claims) >= batch or not drr.fits(task["fairness_units"], deficit):
+                if len(claims) >= batch:
                     break
-                if too_big is not None and task["fairness_units"] >= too_big:
+                key = pool(task)
+                lt = begin(key)
+                if lt is None or not lt.open:
+                    continue
+                if not drr.fits(task["fairness_units"], lt.deficit):
+                    lt.status = "SPENT"
+                    continue
+                if lt.too_big is not None and task["fairness_units"] >= lt.too_big:
                     continue  # fails the same way as the head that just did not fit
                 if not view.lane_has_room:
                     # as below, without a claim that must fail (full providers are left to the claim,
                     # which names the key this task waits for)
-                    outcome, pending, wait_key = "FULL", True, f"lane:{lane}"
+                    stop_open(f"lane:{lane}")
+                    outcome, stopped = "FULL", True
                     break
                 try:
-                    c = self._claim_one(conn, task, policy, view, tier, now, prefer)
+                    c = self._claim_one(conn, task, policy, view, self._tier(conn, lane, task, policy), now, prefer)
                 except NoRoom as e:
                     if e.key == "task:moved":
                         continue
@@ -243,20 +487,25 @@ class Scheduler:
                         publish(FIT_SCAN_SKIPS, lane=lane, reason="user_capped")
                         continue
                     if e.tenant_bound:
-                        outcome = "CAPPED"
+                        outcome, stopped = "CAPPED", True
                         break
                     if free_units(conn, e.key) <= 0:
-                        # The lane (or provider) is full: no task of any size fits, so this is not a
-                        # skip. The turn pauses with its deficit and resumes when room frees.
-                        outcome, pending, wait_key = "FULL", True, e.key
-                        break
+                        # The key is full: no task of any size fits, so this is not a skip. The turn
+                        # pauses with its deficit and resumes when room frees; a full provider account
+                        # pauses only this pool's turn, and the tenant's work for other accounts goes on.
+                        outcome = "FULL"
+                        lt.status, lt.wait_key = "FULL", e.key
+                        if not e.key.startswith(ACCOUNT_PREFIX):
+                            stop_open(e.key)
+                            stopped = True
+                        continue
                     # Fit scan (ch. 18.6.7): skip a task that does not fit, in favour of this tenant's
-                    # smaller tasks behind it, a bounded number of times; then stop skipping it so it
-                    # is not starved by them.
-                    smaller_behind = any(h["fairness_units"] < task["fairness_units"] for h in heads[i + 1:])
+                    # smaller tasks behind it (in the same pool), a bounded number of times; then stop
+                    # skipping it so it is not starved by them.
+                    smaller_behind = any(h["fairness_units"] < task["fairness_units"] and pool(h) == key for h in heads[i + 1:])
                     if smaller_behind and task["skip_count"] < self.cfg.max_skips:
                         outcome = "SKIPPED"
-                        too_big = task["fairness_units"]
+                        lt.too_big = task["fairness_units"]
                         conn.execute("update generation_task set skip_count = skip_count + 1 where task_id = %s and state = 'QUEUED'",
                                      (task["task_id"],))
                         continue
@@ -265,54 +514,72 @@ class Scheduler:
                     # that frees, one by one (the simulation measured 8-unit tasks at 0.74 of their
                     # fair share). A head that can never fit does not hold the lane.
                     self._intervene(conn, lane, task, "HEAD_BLOCKED", {"resource": e.key, "skips": task["skip_count"]})
-                    outcome = "BLOCKED"
-                    pending = _can_ever_fit(conn, e.key, task)
-                    wait_key = e.key if pending else None
+                    outcome, stopped = "BLOCKED", True
+                    held = _can_ever_fit(conn, e.key, task)
+                    lt.status, lt.wait_key = ("BLOCKED", e.key) if held else ("SPENT", None)
+                    if held:
+                        stop_open(e.key)
                     break
                 claims.append(c)
-                view.provider_free -= task["provider_slot_units"]
+                lt.claims += 1
+                lt.deficit -= c.units
+                view.took(task)
                 if c.capacity_mode == "BORROWED":  # the view's lending room shrinks claim by claim, so
                     view.borrow_room -= c.units  # one visit cannot lend into min_headroom_units
                     view.can_borrow = view.borrow_room > 0
-                deficit -= c.units
             if capped_users and not claims and outcome == "CREDITED":
                 outcome = "CAPPED"  # every user with work here is at its cap
             served = sum(c.units for c in claims)
+            pending = any(lt.waiting for lt in live.values())
             # The batch filled with deficit left: the turn continues with the next head, or, when every
             # head read was claimed, with the tenant's next tasks (there may be more than were read).
             if len(heads) > len(claims):
-                next_fits = drr.fits(heads[len(claims)]["fairness_units"], deficit)
+                nxt = heads[len(claims)]
+                nxt_turn = live.get(pool(nxt))
+                next_fits = nxt_turn is not None and drr.fits(nxt["fairness_units"], nxt_turn.deficit)
             else:
-                next_fits = len(heads) >= self.cfg.fit_scan_depth and deficit > 0
+                next_fits = len(heads) >= self.cfg.fit_scan_depth and any(lt.deficit > 0 for lt in live.values())
             more = len(claims) >= batch and next_fits
-            if outcome == "FULL" and wait_key is not None and not claims and not resuming:
-                # The key this tenant needs is full: its turn does not begin, so it is neither
+            for key, lt in live.items():
+                turns[key] = turns[key].after(lt, now, more=more, lane_key=f"lane:{lane}")
+            if complete:  # every queued head was read: a pool without any is idle
+                seen = {pool(h) for h in heads}
+                turns = {k: t for k, t in turns.items() if k in seen}
+            if not claims and live and all(turns[k].kind == "WAITING" for k in live):
+                # Every key this tenant needs is full: its turn does not begin, so it is neither
                 # credited nor charged for the wait (ch. 18.6: a turn starts when work can be sent).
                 # It waits for the key with the other contenders; tenants whose work needs other
                 # keys (another provider account) go on meanwhile.
+                on, kind, at, _ = PoolTurn.index(turns)
                 conn.execute(
-                    """update drr_lane_tenant set paused_on = %s, paused_kind = 'WAITING', updated_at = %s,
-                              paused_at = case when paused_on = %s and paused_kind = 'WAITING' then paused_at else %s end
-                        where lane = %s and tenant_id = %s""", (wait_key, now, wait_key, now, lane, tenant_id))
+                    """update drr_lane_tenant set paused_on = %s, paused_kind = %s, paused_at = %s, pool_turns = %s,
+                              updated_at = %s where lane = %s and tenant_id = %s""",
+                    (on, kind, at, PoolTurn.dump(turns), now, lane, tenant_id))
                 return VisitResult("HELD")
-            if pending or more:  # the turn goes on when its key has room (or at once, for `more`)
-                paused_on, kind = (wait_key if pending else f"lane:{lane}"), "TURN"
-                paused_at = st["paused_at"] if st["paused_on"] == paused_on and st["paused_kind"] == "TURN" else now
-                ended_at = st["turn_ended_at"]
-            else:
-                paused_on, kind, paused_at, ended_at = None, None, None, now
-            deficit = drr.end_turn(deficit, cap, continues=more)  # nothing beyond one round's cap is banked
+            # Every queued task the tenant had in the lane was claimed: its queue is empty, so it
+            # leaves the ring now (DRR's active list holds backlogged flows only), and work it submits
+            # later makes it a newcomer, who joins the round behind the tenants already waiting.
+            # Left on the ring until a later visit found it empty, it kept its place: a task it
+            # submitted meanwhile was served ahead of tenants that had been waiting longer, and every
+            # newcomer was put ahead of it (the ring puts newcomers before the tenant served last),
+            # even one that arrived after its new task (whale-provider-bound measured the waits).
+            drained = (bool(claims) and not pending and not more and not capped_users
+                       and len(claims) == len(heads) < self.cfg.fit_scan_depth and not _waiting(conn, lane, tenant_id))
+            on, kind, at, ended = PoolTurn.index(turns)
             conn.execute(
-                """update drr_lane_tenant set deficit = %s, fairness_debt = fairness_debt - %s, active = true,
+                """update drr_lane_tenant set deficit = %s, fairness_debt = %s, active = %s,
                           served_units = served_units + %s, visits = visits + 1, last_active_at = %s, updated_at = %s,
-                          paused_on = %s, paused_kind = %s, paused_at = %s, turn_ended_at = %s
+                          paused_on = %s, paused_kind = %s, paused_at = %s, turn_ended_at = coalesce(%s, turn_ended_at),
+                          pool_turns = %s
                     where lane = %s and tenant_id = %s""",
-                (deficit, debt_paid, served, now, now, paused_on, kind, paused_at, ended_at, lane, tenant_id),
+                (sum(t.deficit for t in turns.values()), st["fairness_debt"] - sum(lt.debt_paid for lt in live.values() if lt.granted),
+                 not drained, served, now, now, on, kind, at, ended,
+                 PoolTurn.dump(turns), lane, tenant_id),
             )
-            return VisitResult("CLAIMED" if claims else outcome, claims, more, pending or more)
+            return VisitResult("CLAIMED" if claims else outcome, claims, more, pending or more, drained)
 
         result = p.db.transaction(tx)
-        if result.outcome == "EMPTY":
+        if result.outcome == "EMPTY" or result.drained:
             self.ring.remove(lane, tenant_id)
             # A task admitted after the visit looked, whose queue indexer added the tenant before this
             # removal, would be off the ring until a rebuild: look again now that it is removed.
@@ -323,34 +590,42 @@ class Scheduler:
             view.free -= c.units if c.capacity_mode == "NORMAL" else 0
         if result.claims:  # one EMF document per lane and visit, not one per claim
             publish(CLAIMS, len(result.claims), lane=lane)
+        now = p.clock.now()
+        for c in result.claims:
+            if c.enqueued_at is not None:
+                publish(QUEUE_WAIT_SECONDS, max(0.0, (now - c.enqueued_at).total_seconds()) * p.clock.time_scale, lane=lane)
         return result
 
+    def _tier(self, conn, lane: str, task: dict, policy: dict) -> str:
+        """The routing tier: the lane's own for EXPENSIVE and RECOVERY, else the tenant's service class
+        under the policy version the task was admitted with, so a policy change does not reroute the
+        tasks admitted before it (issue 16)."""
+        if lane in ("EXPENSIVE", "RECOVERY"):
+            return lane
+        if task["policy_version"] == policy["policy_version"]:
+            return policy["service_class"]
+        key = (task["tenant_id"], task["policy_version"])
+        if key not in self._admitted_tiers:
+            if len(self._admitted_tiers) > 10_000:
+                self._admitted_tiers.clear()
+            self._admitted_tiers[key] = admitted_service_class(conn, task, policy)
+        return self._admitted_tiers[key]
+
     def _claim_one(self, conn, task: dict, policy: dict, view: LaneView, tier: str, now, prefer: int | None = None) -> Claimed:
-        routes = router.route(self.platform, task, tier)
-        if not routes:
-            raise NoRoom("provider:none")
+        # On this transaction's connection: it may hold shard locks from this visit's claims already.
+        routes = router.route(self.platform, task, tier, conn=conn)
         lease = self.platform.clock.real_seconds(self.platform.config.timers.lease_seconds)
         shards = self.platform.config.limits.pool_shards
-        last: NoRoom | None = None
-        options = [(f"lane:{task['queue_class']}", False)]
-        if view.can_borrow and task["queue_class"] in BORROWERS and task["fairness_units"] <= view.borrow_room:
-            options.append((f"lane:{ENTERPRISE}", True))
-        with_budgets = budgets.in_force(self.platform)
-        for lane_key, borrowed in options:
-            for r in routes:
-                try:
-                    if not with_budgets:
-                        return claim(conn, task, r, policy, lane_key=lane_key, borrowed=borrowed, shards=shards,
-                                     lease_seconds=lease, now=now, ensured=self._ensured, prefer=prefer)
-                    return self._claim_within_budgets(conn, task, r, policy, lane_key=lane_key, borrowed=borrowed,
-                                                      shards=shards, lease=lease, now=now, prefer=prefer)
-                except NoRoom as e:
-                    last = e
-                    if e.tenant_bound or e.key == "task:moved" or e.key.startswith("project:"):
-                        raise
-                    if e.key.startswith("lane:") or e.key == LENDER_KEY:
-                        break  # another provider will not make the lane bigger
-        raise last or NoRoom("provider:none")
+        with_budgets = bool(routes) and budgets.in_force(self.platform, conn)
+
+        def attempt(lane_key: str, borrowed: bool, r: router.Route) -> Claimed:
+            if not with_budgets:
+                return claim(conn, task, r, policy, lane_key=lane_key, borrowed=borrowed, shards=shards,
+                             lease_seconds=lease, now=now, ensured=self._ensured, prefer=prefer)
+            return self._claim_within_budgets(conn, task, r, policy, lane_key=lane_key, borrowed=borrowed,
+                                              shards=shards, lease=lease, now=now, prefer=prefer)
+
+        return first_fit(routes, claim_options(view, task), attempt)
 
     def _claim_within_budgets(self, conn, task: dict, r, policy: dict, *, lane_key: str, borrowed: bool, shards: int,
                               lease: float, now, prefer: int | None) -> Claimed:
@@ -368,12 +643,7 @@ class Scheduler:
                                 low_priority=task["priority_band"] >= budgets.LOW_PRIORITY_BAND)
                 return c
         except (BudgetExceeded, CurrencyMismatch) as e:
-            scope = (e.details or {}).get("scope", "")
-            if scope.startswith("TENANT:"):
-                raise NoRoom(f"tenant:{task['tenant_id']}:budget") from None
-            if scope.startswith("PROJECT:"):  # no other route gives it room; the visit defers the task
-                raise NoRoom(f"project:{task['tenant_id']}:{task['project_id']}:budget") from None
-            raise NoRoom(f"budget:{scope or 'unknown'}") from None
+            raise budget_no_room(task, (e.details or {}).get("scope", "")) from None
 
     def _defer(self, conn, lane: str, task: dict, now, key: str) -> None:
         eligible = now + timedelta(seconds=PROJECT_BUDGET_RETRY_SECONDS)
@@ -403,6 +673,7 @@ class Scheduler:
         # A capacity counter known to be wrong (the capacity-counters service found it and has not
         # committed the repair yet): conservative capacity mode until it has (ch. 18.18).
         suspect = degraded.capacity_suspect(p)
+        capacity.converge(p)  # pools an operator lowered below what ran, re-split as it drains (every few s)
         for lane in lanes or self.cfg.lane_order:
             state = self.ring.index_state(lane)
             use_redis = state == READY
@@ -435,22 +706,25 @@ class Scheduler:
         return max(1, room // (ring_size * self.cfg.base_quantum * self._max_weight()))
 
     def _max_weight(self) -> int:
-        """The heaviest tenant weight, read at most once a minute (weights change by operator action)."""
+        """The heaviest tenant weight, read at most once a minute (weights change by operator action),
+        and again once this process changed a policy (admin.policy.invalidate_caches)."""
         now = time.monotonic()
-        if self._weight_read_at is None or now - self._weight_read_at > 60:
+        epoch = self.platform.extras.get(POLICY_EPOCH, 0)
+        if self._weight_read_at is None or now - self._weight_read_at > 60 or epoch != self._weight_epoch:
+            self._weight_epoch = epoch
             self._weight_max = int(self.platform.db.fetchone(
                 "select coalesce(max(weight), 1) as w from tenant_scheduling_policy")["w"])
             self._weight_read_at = now
         return self._weight_max
 
     def _turn(self, lane: str, tenant: UUID, view: LaneView, conservative: bool, deadline: float, *,
-              continuation: bool = False, rounds: int = 1) -> tuple[VisitResult, int]:
+              continuation: bool = False, rounds: int = 1, resume_keys: frozenset[str] | None = None) -> tuple[VisitResult, int]:
         """One tenant's turn: a visit, and its continuations while the batch fills with deficit left."""
-        r = self.visit(lane, tenant, view, conservative, continuation=continuation, rounds=rounds)
+        r = self.visit(lane, tenant, view, conservative, continuation=continuation, rounds=rounds, resume_keys=resume_keys)
         claimed = 0
         while r.more and view.has_room and time.monotonic() < deadline:
             claimed += len(r.claims)
-            r = self.visit(lane, tenant, view, conservative, continuation=True)
+            r = self.visit(lane, tenant, view, conservative, continuation=True, resume_keys=resume_keys)
         return r, claimed + len(r.claims)
 
     def _run_lane(self, lane: str, use_redis: bool, conservative: bool, deadline: float, report: TickReport) -> int:
@@ -467,15 +741,15 @@ class Scheduler:
             # slot instead gave each backlogged tenant one slot per turn, whatever its weight.
             room = {key: (1 << 30 if view.lane_has_room else 0) if key == f"lane:{lane}" else free_units(conn, key)
                     for key in {row["paused_on"] for row in paused}}
-            resumable = []
+            resumable: dict[UUID, set[str]] = {}  # tenant -> the keys its paused turns resume on
             for row in paused:  # at most one visit per free slot of the key
                 if room[row["paused_on"]] > 0:
                     room[row["paused_on"]] -= 1
-                    resumable.append(row["tenant_id"])
-        for tenant in resumable:  # oldest first; a waiting tenant's turn begins here, with its quantum
+                    resumable.setdefault(row["tenant_id"], set()).add(row["paused_on"])
+        for tenant, keys in resumable.items():  # oldest first; a waiting tenant's turn begins here, with its quantum
             if time.monotonic() >= deadline or not view.has_room:
                 break
-            r, n = self._turn(lane, tenant, view, conservative, deadline)
+            r, n = self._turn(lane, tenant, view, conservative, deadline, resume_keys=frozenset(keys))
             report.visits += 1
             claimed += n
             if r.pending and r.outcome == "BLOCKED":

@@ -1,6 +1,6 @@
 """What a finished run left in PostgreSQL: the task records the metrics are computed from, and the
 invariants checked against the database itself (the reservations are the facts; counters, task
-states and DRR rows must agree with them)."""
+states and DRR rows must agree with them), and measured figures against a scenario's prediction."""
 from __future__ import annotations
 
 import psycopg
@@ -72,3 +72,21 @@ def database_invariants(conn: psycopg.Connection) -> dict:
                  or (state = 'QUEUED' and current_attempt_id is not null)""")
     out["task_rows_consistent"] = _check(r["n"] == 0, tasks=r["n"])
     return out
+
+
+def against_prediction(measured: dict, predicted: dict, tolerance: float) -> dict:
+    """Each measured figure within `tolerance` (a fraction) of its prediction, e.g. peak-backlog's
+    backlog and drain time against Little's law. A figure not measured (a backlog that never
+    drained within the run) fails; a prediction of 0 needs a measurement of 0."""
+    figures = {}
+    for name, p in predicted.items():
+        m = measured.get(name)
+        if m is None or p is None:
+            err, ok = None, False
+        elif p == 0:
+            err, ok = None, m == 0
+        else:
+            err = abs(m - p) / abs(p)
+            ok = err <= tolerance
+        figures[name] = {"measured": m, "predicted": p, "error": None if err is None else round(err, 4), "ok": ok}
+    return _check(all(f["ok"] for f in figures.values()), tolerance=tolerance, figures=figures)

@@ -15,10 +15,10 @@
   resource_pool_shard rows the runner created with `aivedio.bootstrap.apply_config`, which the claim
   reserves (lane, account and model keys) and the completion below releases;
 - the simulated provider runs each claimed attempt for `units x runtime_per_unit` platform seconds
-  (times a jitter drawn from a hash of the task's key, so both policies agree): at the claim the task
-  goes DISPATCHING -> RUNNING with started_at, at the end RUNNING -> PROVIDER_SUCCEEDED -> SUCCEEDED
-  with finished_at (CAS on state and version), and `release_attempt` frees its reservations in the
-  same transaction;
+  (times a jitter drawn from a hash of the task's key, or the scenario's own draw for it, so both
+  policies agree): at the claim the task goes DISPATCHING -> RUNNING with started_at, at the end
+  RUNNING -> PROVIDER_SUCCEEDED -> SUCCEEDED with finished_at (CAS on state and version), and
+  `release_attempt` frees its reservations in the same transaction;
 - a release wakes a tick at once (as `platform.wake("scheduler-tick")` does locally); while a lane has
   both queued work and free room, a tick also runs every `scheduler_tick_seconds`, as the real loop;
 - the scheduled maintenance (aging, starvation detector, queue-index rebuild) runs every
@@ -78,9 +78,11 @@ class SimClock(ManualClock):
         return None if ts is None else (ts - self.start).total_seconds() * self.time_scale
 
 
-def runtime_for(key: str, units: int, per_unit: float, jitter: float, seed: str = "") -> float:
-    """How long the simulated provider runs a task (platform seconds, to the millisecond)."""
-    u = zlib.crc32(f"{seed}:{key}".encode()) / 2**32
+def runtime_for(key: str, units: int, per_unit: float, jitter: float, seed: str = "", u: float | None = None) -> float:
+    """How long the simulated provider runs a task (platform seconds, to the millisecond). The draw
+    u in [0, 1) is the scenario's own for this key where it spreads runtimes evenly, else a hash."""
+    if u is None:
+        u = zlib.crc32(f"{seed}:{key}".encode()) / 2**32
     return round(units * per_unit * (1 + jitter * (2 * u - 1)), 3)
 
 
@@ -314,7 +316,8 @@ class Simulation:
                     self.stats.cas_lost += 1
                     continue
                 out.append((r["current_attempt_id"], r["task_id"], r["tenant_id"], moved["version"],
-                            runtime_for(r["idempotency_key"], r["fairness_units"], sc.runtime_per_unit, sc.jitter, self.seed)))
+                            runtime_for(r["idempotency_key"], r["fairness_units"], sc.runtime_per_unit, sc.jitter, self.seed,
+                                        sc.runtime_draws.get(r["idempotency_key"]))))
             if out:
                 conn.execute(
                     """update task_attempt set state = 'RUNNING', submit_started_at = %s, submit_finished_at = %s,

@@ -80,7 +80,7 @@ class FifoPolicy:
     def _claim(self, conn, task: dict, view: LaneView, now):
         policy = conn.execute("select * from tenant_scheduling_policy where tenant_id = %s", (task["tenant_id"],)).fetchone()
         tier = task["queue_class"] if task["queue_class"] in ("EXPENSIVE", "RECOVERY") else policy["service_class"]
-        routes = router.route(self.platform, task, tier)
+        routes = router.route(self.platform, task, tier, conn=conn)
         if not routes:
             raise NoRoom("provider:none")
         lease = self.platform.clock.real_seconds(self.platform.config.timers.lease_seconds)

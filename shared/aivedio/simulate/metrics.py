@@ -37,6 +37,7 @@ from aivedio.scheduling.claim import ENTERPRISE
 from aivedio.scheduling.resources import account_key
 from aivedio.scheduling.router import candidates
 from aivedio.scheduling.scheduler import BORROWERS
+from aivedio.simulate import checks
 from aivedio.simulate.scenarios import Scenario
 
 EPS = 1e-9
@@ -582,8 +583,27 @@ class Run:
             p99 = percentile(waits, 99)
             b = max(backlogged) if backlogged else 0
             ideal = b / rate if rate else None
-            realised = [x for x in (slots_freed_within(t["enqueue"], n) for t, n in zip(ts, backlogged)) if x is not None]
+            # The realised-slot ideal of a task: as many slots freeing as there were backlogged
+            # tenants (its own included), counted from when it would have reached the head of its
+            # tenant's queue had each of its tenant's earlier tasks started at its own ideal. Counted
+            # from the enqueue alone (the ideal before), a task behind its own tenant's earlier tasks
+            # was owed a slot in the first round as if they were not there: the whale-provider-bound
+            # small tenants' Poisson arrivals come in bursts (one submitted four tasks in nine
+            # seconds), and a perfect per-slot round robin scored 1.9 on that count. Chained on ideal
+            # starts, not actual ones, a scheduler's delay of one task is not credited to the next.
+            realised, ahead_max, ideal_start = [], 0, -math.inf
+            for t in sorted(ts, key=lambda t: (t["enqueue"], t["key"])):
+                ahead_max = max(ahead_max, sum(1 for o in ts if o is not t and o["enqueue"] <= t["enqueue"]
+                                               and (o["start"] is None or o["start"] > t["enqueue"])))
+                h = max(t["enqueue"], ideal_start)
+                x = slots_freed_within(h, sum(1 for o in tenants if o != tid and count(o, h) > 0) + 1)
+                if x is None:
+                    break
+                ideal_start = h + x
+                realised.append(ideal_start - t["enqueue"])
             p99_realised = percentile(realised, 99)
+            n_slot = [x for x in (slots_freed_within(t["enqueue"], n) for t, n in zip(ts, backlogged)) if x is not None]
+            p99_n_slot = percentile(n_slot, 99)
             out[self.by_id[tid].name] = {
                 "tasks": len(ts), "started": len(waits), "p99_wait": round(p99, 2) if p99 is not None else None,
                 "max_wait": round(max(waits), 2) if waits else None,
@@ -592,6 +612,9 @@ class Run:
                 "p99_over_ideal": round(p99 / ideal, 3) if ideal and p99 is not None else None,
                 "p99_realised_slot_ideal": round(p99_realised, 2) if p99_realised is not None else None,
                 "p99_over_realised_slot_ideal": round(p99 / p99_realised, 3) if p99_realised and p99 is not None else None,
+                "own_tasks_ahead_max": ahead_max,  # the most of its own tasks queued ahead of one of its tasks
+                # The count from the enqueue alone (the realised-slot ideal before), for comparison.
+                "p99_over_n_slot_from_enqueue": round(p99 / p99_n_slot, 3) if p99_n_slot and p99 is not None else None,
                 # What a perfect per-slot round robin would score on the rate-based ideal: the spread of
                 # completion times alone, with no scheduler in it.
                 "oracle_p99_over_ideal": round(p99_realised / ideal, 3) if ideal and p99_realised is not None else None,
@@ -605,11 +628,14 @@ class Run:
                                     "its own included) / the measured completion rate of the slots its work runs on "
                                     "(the lane's, or its one pool of provider accounts') while work was queued",
                 "realised_slot_ideal_definition": "per task: the time until as many slots (of the lane, or of the pool its "
-                                                  "work runs on) actually freed after its enqueue "
-                                                  "as there were backlogged tenants (per-slot round robin on the real "
-                                                  "completion sequence); p99 over the tenant's tasks",
+                                                  "work runs on) actually freed as there were backlogged tenants (its own "
+                                                  "included), counted from its enqueue or, behind its own tenant's earlier "
+                                                  "tasks, from the ideal start of the last of them (per-slot round robin "
+                                                  "on the real completion sequence); p99 over the tenant's tasks",
                 "small_tenants": out, "worst_p99_over_ideal": max(ratios) if ratios else None,
                 "worst_p99_over_realised_slot_ideal": max(realised) if realised else None,
+                "worst_p99_over_n_slot_from_enqueue": max((v["p99_over_n_slot_from_enqueue"] for v in out.values()
+                                                           if v["p99_over_n_slot_from_enqueue"] is not None), default=None),
                 "worst_oracle_p99_over_ideal": max((v["oracle_p99_over_ideal"] for v in out.values()
                                                     if v["oracle_p99_over_ideal"] is not None), default=None),
                 "all_small_within_1_5x": bool(ratios) and unstarted == 0 and max(ratios) <= 1.5,
@@ -714,6 +740,89 @@ class Run:
             "lane": lane,
         }
 
+    def _focus_peak_backlog(self, fair_by_lane: dict, sweep: dict) -> dict:
+        """Ch. 18.17's backlog build and drain, measured from the task rows, beside Little's law
+        (scenarios.littles_law, computed when the scenario was built). Queued = enqueued and not yet
+        started; in flight = started and not yet finished, which is also the slots in use (every task
+        holds one)."""
+        fo = self.sc.focus
+        pred, tol = fo["prediction"], fo["tolerance"]
+        a, b, steady_from = fo["peak_start"], fo["peak_end"], fo["steady_from"]
+        slots = sum(self.accounts.values())
+        deltas: dict[float, list[int]] = defaultdict(lambda: [0, 0])  # time -> [queued delta, in-flight delta]
+        for t in self.tasks:
+            deltas[t["enqueue"]][0] += 1
+            if t["start"] is not None:
+                deltas[t["start"]][0] -= 1
+                deltas[t["start"]][1] += 1
+                if t["end"] is not None:
+                    deltas[t["end"]][1] -= 1
+        # The levels, piecewise constant: steps[i] = (ts, queued, in_flight) holds on [ts, next ts).
+        steps, q, r = [(0.0, 0, 0)], 0, 0
+        for ts in sorted(deltas):
+            q, r = q + deltas[ts][0], r + deltas[ts][1]
+            if ts >= 0:
+                steps.append((ts, q, r))
+        times = [s[0] for s in steps]
+        ends = times[1:] + [self.end]
+
+        def level(ts: float) -> tuple[int, int]:
+            s = steps[max(0, bisect.bisect_right(times, ts) - 1)]
+            return s[1], s[2]
+
+        def held(x: float, y: float):
+            """(level, seconds) of each step overlapping [x, y) for a positive time."""
+            return [(s, _overlap(s[0], e, x, y)) for s, e in zip(steps, ends) if _overlap(s[0], e, x, y) > 0]
+
+        def mean_in_flight(x: float, y: float) -> float | None:
+            parts = held(x, y)
+            return sum(s[2] * d for s, d in parts) / (y - x) if parts and y > x else None
+
+        # A momentary level (enqueue and claim in one instant) never counts: only levels held a while.
+        whole = held(0.0, self.end)
+        peak_level, peak_at = max(((s[1], s[0]) for s, _ in whole), key=lambda v: (v[0], -v[1]), default=(0, None))
+        steady_level = max((s[1] for s, _ in held(steady_from, a)), default=0)
+        q_end, _ = level(b)
+        drained_at = b if q_end <= steady_level else next(
+            (s[0] for s in steps if s[0] > b and s[1] <= steady_level and s[0] < self.end), None)
+        backlog_from = next((s[0] for s in steps if s[0] >= a and s[1] > steady_level), None)
+        m_peak = mean_in_flight(a, min(b, self.end))
+        m_backlogged = mean_in_flight(backlog_from, drained_at) if backlog_from is not None and drained_at else None
+        m_steady = mean_in_flight(steady_from, a)
+        rnd = lambda x, n=4: None if x is None else round(x, n)  # noqa: E731
+        drain = None if drained_at is None else drained_at - b
+        measured = {
+            "peak_backlog_tasks": peak_level, "peak_backlog_at": rnd(peak_at, 1), "backlog_at_peak_end": q_end,
+            "steady_level": steady_level, "drained_at": rnd(drained_at, 1), "drain_seconds": rnd(drain, 1),
+            "steady_in_flight_mean": rnd(m_steady, 1), "in_flight_max": max((s[2] for s in steps), default=0),
+            "slot_utilisation_steady": rnd(m_steady / slots if m_steady is not None else None),
+            "slot_utilisation_during_peak": rnd(m_peak / slots if m_peak is not None else None),
+            "slot_utilisation_while_backlogged": rnd(m_backlogged / slots if m_backlogged is not None else None),
+            "peak_backlog_tasks_x_scale": peak_level * fo["scale"],
+        }
+        step = fo["sample_seconds"]
+        samples = [k * step for k in range(int(self.end // step) + 1)]
+        levels = [level(ts) for ts in samples]
+        return {
+            "scale": fo["scale"], "provider_slots": slots,
+            "phases": {"steady_from": steady_from, "peak_start": a, "peak_end": b, "end": round(self.end, 1)},
+            "prediction": pred, "prediction_full_scale": fo["prediction_full_scale"],
+            "measured": measured,
+            "check": checks.against_prediction({"backlog_tasks": peak_level, "drain_seconds": rnd(drain, 1)},
+                                               {k: pred[k] for k in ("backlog_tasks", "drain_seconds")}, tol),
+            "backlog_series": {"sample_seconds": step, "t": samples, "queued": [v[0] for v in levels],
+                               "in_flight": [v[1] for v in levels]},
+            "definitions": {
+                "peak_backlog_tasks": "the most tasks queued (admitted, not yet claimed) at once, held for a positive time",
+                "steady_level": "the most queued during the steady phase before the peak, after the warm-up transient "
+                                "(from the longest runtime a task can draw)",
+                "drain_seconds": "from the end of the peak to the first moment the queue is back at the steady level",
+                "slot_utilisation_during_peak": "mean slots in use / provider slots over the peak (starts below 1: the "
+                                                "headroom of L = lambda x W in flight fills first)",
+                "slot_utilisation_while_backlogged": "the same from the first queued task of the peak until drained",
+            },
+        }
+
 
 def analyse(scenario: Scenario, prep: dict, data: dict, stats) -> dict:
     return Run(scenario, prep, data, stats).analyse()
@@ -748,12 +857,16 @@ def report(scenario: Scenario, prep: dict, runs: dict) -> dict:
                                all(x is not None and x <= 0.03 for x in v.values()) if drr else None))
     if kind == "whale-vs-small":
         f = lambda r, k: r["focus"][k] if r else None  # noqa: E731
+        # A figure, not a target (met is None): the ideal that counts is the realised-slot one below
+        # (the planners' answer). On this rate-based reading a perfect per-slot round robin on the
+        # same arrivals (the oracle) scores about 2.08, so no scheduler could meet 1.5 on it.
         targets.append(_target("small_tenant_p99_wait_over_drr_ideal",
-                               "<= 1.5 for every small tenant (DRR), ideal = backlogged tenants / measured completion rate; "
-                               "FIFO for contrast; oracle = a perfect per-slot round robin on the run's real completions",
+                               "figure only (the target is the realised-slot ideal): ideal = backlogged tenants / measured "
+                               "completion rate; FIFO for contrast; oracle = a perfect per-slot round robin on the run's real "
+                               "completions, which this reading holds to the same figure",
                                {"drr": f(drr, "worst_p99_over_ideal"), "fifo": f(fifo, "worst_p99_over_ideal"),
                                 "oracle": f(drr, "worst_oracle_p99_over_ideal")},
-                               drr["focus"]["all_small_within_1_5x"] if drr else None))
+                               None))
         targets.append(_target("small_tenant_p99_wait_over_realised_slot_ideal",
                                "<= 1.5 for every small tenant (DRR), ideal = time until that many slots actually freed; "
                                "FIFO for contrast",
@@ -783,6 +896,13 @@ def report(scenario: Scenario, prep: dict, runs: dict) -> dict:
                                    {"others_units_per_second": {k: v["others_units_claimed_per_second_during_wait"]
                                                                 for k, v in fo["big_tasks"].items()}},
                                    fo["others_keep_flowing"]))
+    if kind == "peak-backlog":
+        for pol, r in runs.items():
+            c = r["focus"]["check"]
+            targets.append(_target(f"backlog_and_drain_match_littles_law[{pol}]",
+                                   f"peak backlog and drain time within {c['tolerance']:.0%} of ch. 18.17's prediction",
+                                   {k: {f: v[f] for f in ("measured", "predicted", "error")} for k, v in c["figures"].items()},
+                                   c["ok"]))
     for pol, r in runs.items():
         u = r["utilisation"]["when_work_queued"]
         targets.append(_target(f"utilisation_when_work_queued[{pol}]", ">= 0.95 of the binding capacity", {"value": u},
@@ -802,7 +922,8 @@ def report(scenario: Scenario, prep: dict, runs: dict) -> dict:
             "clock": "ManualClock (SimClock) moved only by the event loop; times are simulated platform seconds",
             "time_scale": scenario.config.time_scale,
             "provider": f"simulated in-process: a task runs units x {scenario.runtime_per_unit:g} s x U(1-{scenario.jitter:g}, "
-                        f"1+{scenario.jitter:g}) (hash of its key), then succeeds",
+                        f"1+{scenario.jitter:g}) ({'an even spread over the arrivals' if scenario.runtime_draws else 'hash of its key'}), "
+                        "then succeeds",
             "maintenance_seconds": scenario.maintenance_seconds,
             "scheduler": scenario.config.scheduler.model_dump(),
             "lanes": {lane: scenario.config.lanes[lane].model_dump() for lane in scenario.lanes},

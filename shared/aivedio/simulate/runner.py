@@ -18,7 +18,7 @@ from psycopg.rows import dict_row
 from aivedio.bench.pgbench import with_database
 from aivedio.config import Settings
 from aivedio.simulate import checks, metrics
-from aivedio.simulate.engine import POLICIES, T0, SimClock, SimTenant, Simulation, admit_arrival
+from aivedio.simulate.engine import T0, SimClock, SimTenant, Simulation, admit_arrival
 from aivedio.simulate.scenarios import OPEN_LIMITS, Scenario, build
 
 log = logging.getLogger("aivedio.simulate")
@@ -84,7 +84,7 @@ def prepare(db_url: str, redis_url: str | None, scenario: Scenario) -> dict:
         tenants: dict[str, SimTenant] = {}
         for spec in scenario.tenants:
             c = create_tenant(p, name=spec.name, service_class=spec.service_class, weight=spec.weight, credits=10**12,
-                              operator="simulate", policy_overrides=OPEN_LIMITS)
+                              operator="simulate", policy_overrides=OPEN_LIMITS, trusted=True)
             tenants[spec.name] = SimTenant(c.tenant_id, c.user_id, spec.name, spec.group, spec.weight, spec.service_class)
         backlog = [a for a in scenario.arrivals if a.at <= 0]
         # The price version opens at the first admission's time (the backlog is admitted just before t=0).
@@ -221,11 +221,13 @@ def _quiet_platform_logs() -> None:
 
 # -- a scenario -------------------------------------------------------------------------------------------
 
-def run_scenario(name: str, *, admin_url: str, redis_url: str | None = None, policies: tuple[str, ...] = POLICIES,
+def run_scenario(name: str, *, admin_url: str, redis_url: str | None = None, policies: tuple[str, ...] | None = None,
                  params: dict | None = None, parallel: bool = True, quiet: bool = True) -> dict:
-    """Run `name` under each policy and return the report (one JSON-able dict)."""
+    """Run `name` under each policy (by default the scenario's: both, unless it says otherwise) and
+    return the report (one JSON-able dict)."""
     params = params or {}
     scenario = build(name, **params)
+    policies = tuple(policies or scenario.policies)
     if quiet:
         _quiet_platform_logs()
     started = time.monotonic()

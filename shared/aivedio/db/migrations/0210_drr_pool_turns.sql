@@ -1,0 +1,11 @@
+-- 0210: DRR per binding pool (issue 14, part 2). A tenant whose work runs on two provider accounts
+-- that fill apart is two flows, not one: one deficit split a quantum across both, and a turn paused
+-- on a full account held back the work that could run on the other. pool_turns keeps, per pool (the
+-- set of accounts able to run a task, "provider-account:p:a|..."), that pool's turn:
+--   {"<pool>": {"deficit": n, "kind": "TURN"|"WAITING"|null, "on": key, "at": iso, "ended": iso}}
+-- kind/on/at mean what paused_kind/paused_on/paused_at do (0100), per pool. The row's own deficit
+-- is their sum, and its paused_* name one paused pool (TURN first, then the longest paused), which
+-- is what the tick's paused-turn query reads; a tenant with one pool has exactly its old state.
+-- An empty object is a row from before this migration: its deficit and pause belong to the pool of
+-- the tenant's first head.
+ALTER TABLE drr_lane_tenant ADD COLUMN pool_turns jsonb NOT NULL DEFAULT '{}';
