@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# Capabilities add their own sub-commands here (admin, bench, simulate, reconcile, rebuild).
+# Capabilities add their own sub-commands here (admin, bench, simulate, reconcile, rebuild, chaos).
 _EXTENSIONS: list[Callable[[Any], None]] = []
 
 
@@ -88,7 +88,7 @@ def _load_extensions() -> None:
     import importlib
 
     for mod in ("aivedio.admin.cli", "aivedio.reconcile.cli", "aivedio.reconcile.rebuild_cli", "aivedio.bench.cli",
-                "aivedio.simulate.cli", "aivedio.providers.cli", "aivedio.demo"):
+                "aivedio.simulate.cli", "aivedio.providers.cli", "aivedio.demo", "aivedio.chaos.cli"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:
