@@ -18,7 +18,7 @@ from aivedio.errors import Forbidden, Unauthenticated
 from aivedio.observability import logger
 from functions.api.routes.auth import _body_error, _body_size, _check_envelope, _reply, database_unavailable_reply
 
-SESSION_COOKIE = "aivedio_admin_session"  # set by the dashboard's sign-in (routes/dashboard.py)
+SESSION_COOKIE = "aivedio_admin_session"  # a session id set by the dashboard's sign-in (routes/dashboard.py)
 OPENAPI_PATH = "/admin/v1/openapi.json"
 
 F = TypeVar("F", bound=Callable)
@@ -58,7 +58,7 @@ def matched_route(app, method: str, path: str):
 
 
 def session_token(headers: dict[str, str]) -> str | None:
-    """The operator token in the dashboard's session cookie, if any (headers lower-cased)."""
+    """The session id in the dashboard's session cookie, if any (headers lower-cased)."""
     raw = headers.get("cookie")
     if not raw:
         return None
@@ -101,7 +101,7 @@ def gate(app, event: dict) -> dict | None:
     cookie = session_token(headers) if method in ("GET", "HEAD") else None
     try:
         with platform.db.connection(timeout=platform.config.limits.api_database_wait_seconds) as conn:
-            operator = authenticate_operator(conn, headers.get("authorization"), cookie_token=cookie)
+            operator = authenticate_operator(conn, headers.get("authorization"), session_id=cookie)
     except Unauthenticated as e:
         return _reply(401, "UNAUTHENTICATED", e.message)
     except Forbidden as e:  # a tenant API key: a valid credential, but not for this API

@@ -179,7 +179,8 @@ def test_the_dashboard_signs_in_and_updates_live_while_work_runs(sync_playwright
                                 f"{page.locator('body').inner_text()[:2000]}\nserve log:\n{log_path.read_text()[-3000:]}")
             (session,) = [c for c in ctx.cookies() if c["name"] == "aivedio_admin_session"]
             assert session["httpOnly"] and session["sameSite"] == "Strict"
-            assert page.evaluate("document.cookie") == ""  # the token is out of the script's reach
+            assert session["value"].startswith("avds_") and operator["token"] not in session["value"]  # a session id, not the token
+            assert page.evaluate("document.cookie") == ""  # the session is out of the script's reach
             assert page.locator("#operator").inner_text() == f"dash-{run} (viewer)"
             assert page.locator("#status").inner_text() == "live"
             page.evaluate("window.__notReloaded = true")
@@ -226,6 +227,10 @@ def test_the_dashboard_signs_in_and_updates_live_while_work_runs(sync_playwright
             page.click("#logout button")
             page.wait_for_selector("form#signin")
             assert not [c for c in ctx.cookies() if c["name"] == "aivedio_admin_session"]
+            # ... and ends the session: its cookie, replayed, is refused.
+            replayed = httpx.get(f"{base}/admin/v1/dashboard", headers={"Cookie": f"aivedio_admin_session={session['value']}"},
+                                 timeout=30)
+            assert replayed.status_code == 401, replayed.text
             ctx.close()
         finally:
             browser.close()

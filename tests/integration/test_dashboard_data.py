@@ -49,6 +49,15 @@ def _operator(platform, role: str = "viewer"):
                                                              role=role))
 
 
+def _session_cookie(http, op) -> dict[str, str]:
+    """Signs in as the page's form does; the Cookie header a browser would then send."""
+    r = http.post("/dashboard/session", json={"token": op.token})
+    assert r.status_code == 200, r.text
+    sid = r.cookies[SESSION]
+    assert sid.startswith("avds_") and op.token not in r.headers["set-cookie"]
+    return {"Cookie": f"{SESSION}={sid}"}
+
+
 def test_snapshot_shape_and_it_moves_when_work_is_admitted_and_claimed(platform):
     before = snapshot(platform, fresh=True)
     assert set(before) >= {"generated_at", "lanes", "tenants", "providers", "submit_unknown", "manual_review",
@@ -212,11 +221,13 @@ def test_the_json_needs_an_operator_token_or_the_session_cookie(platform, http):
     doc = r.json()
     assert doc["viewer"] == {"name": op.name, "role": "viewer"} and doc["lanes"] and "generated_at" in doc
     assert r.headers["cache-control"] == "no-store"
-    r = http.get("/admin/v1/dashboard", headers={"Cookie": f"{SESSION}={op.token}"})
+    cookie = _session_cookie(http, op)
+    r = http.get("/admin/v1/dashboard", headers=cookie)
     assert r.status_code == 200 and r.json()["viewer"]["name"] == op.name
+    assert http.get("/admin/v1/dashboard", headers={"Cookie": f"{SESSION}={op.token}"}).status_code == 401  # a token is no session
 
     platform.db.transaction(lambda c: revoke_operator(c, actor="test", operator_id=op.operator_id))
-    assert http.get("/admin/v1/dashboard", headers={"Cookie": f"{SESSION}={op.token}"}).status_code == 401
+    assert http.get("/admin/v1/dashboard", headers=cookie).status_code == 401
 
 
 @pytest.mark.parametrize("role", ["viewer", "operator", "finance", "admin"])
@@ -247,7 +258,9 @@ def test_the_page_shows_only_a_sign_in_form_without_a_valid_token(platform, http
     r = http.get("/dashboard", headers={"Authorization": f"Bearer {tenant.api_key}"})
     assert r.status_code == 403 and 'id="signin"' in r.text and 'id="lanes"' not in r.text
 
-    for headers in ({"Authorization": f"Bearer {op.token}"}, {"Cookie": f"{SESSION}={op.token}"}):
+    r = http.get("/dashboard", headers={"Cookie": f"{SESSION}={op.token}"})  # the token itself is no session
+    assert r.status_code == 401 and 'id="signin"' in r.text and 'id="lanes"' not in r.text
+    for headers in ({"Authorization": f"Bearer {op.token}"}, _session_cookie(http, op)):
         r = http.get("/dashboard", headers=headers)
         assert r.status_code == 200 and 'id="lanes"' in r.text and 'id="signin"' not in r.text
         assert "default-src 'self'" in r.headers["content-security-policy"]
@@ -259,12 +272,13 @@ def test_the_page_shows_only_a_sign_in_form_without_a_valid_token(platform, http
     assert http.get("/dashboard/assets/other.js").status_code == 404
 
 
-def test_sign_in_sets_an_httponly_strict_cookie_and_logout_clears_it(platform, http):
+def test_sign_in_sets_an_httponly_strict_cookie_and_logout_ends_the_session(platform, http):
     op = _operator(platform)
     r = http.post("/dashboard/session", data={"token": op.token})
     assert r.status_code == 303 and r.headers["location"] == "/dashboard"
     cookie = r.headers["set-cookie"]
-    assert cookie.startswith(f"{SESSION}={op.token};")
+    assert cookie.startswith(f"{SESSION}=avds_") and op.token not in cookie  # a session id, never the token
+    session = {"Cookie": cookie.split(";", 1)[0]}
     attrs = {a.strip().lower() for a in cookie.split(";")[1:]}
     assert {"httponly", "samesite=strict", "path=/"} <= attrs and "secure" not in attrs  # plain http here
 
@@ -273,7 +287,9 @@ def test_sign_in_sets_an_httponly_strict_cookie_and_logout_clears_it(platform, h
 
     r = http.post("/dashboard/session", json={"token": op.token})
     assert r.status_code == 200 and r.json() == {"signed_in": True, "operator": op.name, "role": "viewer"}
-    assert f"{SESSION}={op.token};" in r.headers["set-cookie"]
+    assert r.headers["set-cookie"].startswith(f"{SESSION}=avds_") and op.token not in r.headers["set-cookie"]
+    json_session = {"Cookie": r.headers["set-cookie"].split(";", 1)[0]}
+    assert session != json_session  # each sign-in is its own session
 
     for bad in ({"data": {"token": "avop_wrong"}}, {"data": {}}, {"json": {"token": "avop_wrong"}}, {"json": ["x"]}):
         r = http.post("/dashboard/session", **bad)
@@ -282,13 +298,19 @@ def test_sign_in_sets_an_httponly_strict_cookie_and_logout_clears_it(platform, h
     assert 'id="signin"' in r.text and "not accepted" in r.text
     assert 'action="/dashboard/session"' in r.text  # served from /dashboard/session, its links still lead home
 
-    r = http.post("/dashboard/logout")
+    assert http.get("/admin/v1/dashboard", headers=session).status_code == 200
+    r = http.post("/dashboard/logout", headers=session)
     assert r.status_code == 303 and r.headers["set-cookie"].startswith(f"{SESSION}=;") and "Max-Age=0" in r.headers["set-cookie"]
+    # Signed out means signed out: the old cookie, replayed, is refused; the other session lives on.
+    assert http.get("/admin/v1/dashboard", headers=session).status_code == 401
+    assert http.get("/dashboard", headers=session).status_code == 401
+    assert http.get("/admin/v1/dashboard", headers=json_session).status_code == 200
+    assert http.post("/dashboard/logout").status_code == 303  # without a session: nothing to end, still signed out
 
 
 def test_the_session_cookie_expires(platform, http):
-    """The cookie holds the operator token: a browser keeps it SESSION_MAX_AGE_SECONDS, not for as
-    long as it restores its session."""
+    """A browser keeps the session cookie SESSION_MAX_AGE_SECONDS, and the database ends the session
+    then too (tests/integration/test_operators.py)."""
     from functions.admin_api.routes.dashboard import SESSION_MAX_AGE_SECONDS
 
     op = _operator(platform)
@@ -314,7 +336,7 @@ def test_a_cross_site_sign_in_is_refused_and_sets_nothing(platform, http):
     for headers in ({"Origin": f"http://{host}", "Sec-Fetch-Site": "same-origin"}, {"Origin": "null", "Sec-Fetch-Site": "same-origin"},
                     {"Sec-Fetch-Site": "none"}, {}):
         r = http.post("/dashboard/session", data={"token": op.token}, headers=headers)
-        assert r.status_code == 303 and r.headers["set-cookie"].startswith(f"{SESSION}={op.token};"), headers
+        assert r.status_code == 303 and r.headers["set-cookie"].startswith(f"{SESSION}=avds_"), headers
 
 
 def test_the_page_with_a_trailing_slash_redirects_to_the_page(platform, http):
@@ -364,8 +386,8 @@ def test_behind_an_api_gateway_stage_links_and_redirects_keep_the_stage_prefix(p
     headers = {k.lower(): v for k, v in (r.get("multiValueHeaders") or {}).items()}
     assert r["statusCode"] == 303 and headers["location"] == ["/prod/dashboard"]
     (cookie,) = headers["set-cookie"]
-    assert cookie.startswith(f"{SESSION}={op.token};") and "Secure" in cookie and "HttpOnly" in cookie
-    page = call("GET", "/dashboard", headers=(("Cookie", f"{SESSION}={op.token}"),))
+    assert cookie.startswith(f"{SESSION}=avds_") and "Secure" in cookie and "HttpOnly" in cookie
+    page = call("GET", "/dashboard", headers=(("Cookie", cookie.split(";", 1)[0]),))
     assert page["statusCode"] == 200 and 'src="/prod/dashboard/assets/dashboard.js"' in page["body"]
     moved = call("GET", "/dashboard/")
     headers = {k.lower(): v for k, v in (moved.get("multiValueHeaders") or {}).items()}

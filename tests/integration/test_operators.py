@@ -35,6 +35,10 @@ def _auth(platform, authorization, **kw):
         return authenticate_operator(c, authorization, **kw)
 
 
+def _session(platform, op, token: str, max_age_seconds: int = 3600) -> str:
+    return platform.db.transaction(lambda c: operators.open_session(c, op, token, max_age_seconds=max_age_seconds))
+
+
 def _audit_rows(conn, target: str) -> list[dict]:
     return conn.execute("select * from audit_log where target = %s order by audit_id", (target,)).fetchall()
 
@@ -50,7 +54,10 @@ def test_a_token_is_shown_once_stored_hashed_and_authenticates(platform, conn):
 
     op = _auth(platform, f"Bearer {issued.token}")
     assert (op.operator_id, op.name, op.role, op.audit_name) == (issued.operator_id, issued.name, "admin", f"op:{issued.name}")
-    assert _auth(platform, None, cookie_token=issued.token) == op  # the dashboard's session cookie
+    # The dashboard's session cookie holds a session id, never the token itself.
+    assert _auth(platform, None, session_id=_session(platform, op, issued.token)) == op
+    with pytest.raises(Unauthenticated):
+        _auth(platform, None, session_id=issued.token)
     assert _auth(platform, "bearer " + issued.token) == op  # the scheme is case-insensitive
 
     [a] = _audit_rows(conn, f"operator:{issued.operator_id}")
@@ -285,3 +292,64 @@ def test_the_operator_routes_are_admin_only(platform, conn):
 def test_the_module_exports_what_the_brief_promises():
     assert operators.OPERATOR_ROLES == ("viewer", "operator", "finance", "admin")
     assert operators.Operator(uuid.uuid4(), "n", "viewer").audit_name == "op:n"
+
+
+def test_a_dashboard_session_ends_on_sign_out_expiry_rotation_and_revocation(platform, conn):
+    issued = _create(platform, role="viewer")
+    op = _auth(platform, f"Bearer {issued.token}")
+    sid = _session(platform, op, issued.token)
+    assert sid.startswith(operators.SESSION_PREFIX) and len(sid) > 40
+    [row] = conn.execute("select * from operator_session where operator_id = %s", (op.operator_id,)).fetchall()
+    assert row["session_hash"] == hashlib.sha256(sid.encode()).hexdigest()
+    assert sid not in json.dumps(row, default=str) and issued.token not in json.dumps(row, default=str)
+
+    # Sign-out ends it at once; a second sign-out finds nothing.
+    assert _auth(platform, None, session_id=sid) == op
+    assert platform.db.transaction(lambda c: operators.end_session(c, sid)) is True
+    assert platform.db.transaction(lambda c: operators.end_session(c, sid)) is False
+    for bad in (sid, "avds_unknown", "avds_" + "x" * 300, "", "   ", issued.token):
+        with pytest.raises(Unauthenticated):
+            _auth(platform, None, session_id=bad)
+
+    # Expiry is the database's, not only the cookie's Max-Age.
+    expiring = _session(platform, op, issued.token)
+    conn.execute("update operator_session set created_at = now() - interval '2 hours', expires_at = now() - interval '1 second'"
+                 " where session_hash = %s", (operators.hash_token(expiring),))
+    with pytest.raises(Unauthenticated):
+        _auth(platform, None, session_id=expiring)
+
+    # A rotation ends the sessions opened with the old token; the new token opens new ones.
+    old_session = _session(platform, op, issued.token)
+    rotated = platform.db.transaction(lambda c: rotate_operator_token(c, actor="t", operator_id=op.operator_id))
+    with pytest.raises(Unauthenticated):
+        _auth(platform, None, session_id=old_session)
+    with pytest.raises(Unauthenticated):
+        _session(platform, op, issued.token)  # the old token cannot open one either
+    fresh = _session(platform, op, rotated.token)
+    assert _auth(platform, None, session_id=fresh) == op
+
+    # Revocation ends every session of the operator.
+    platform.db.transaction(lambda c: revoke_operator(c, actor="t", operator_id=op.operator_id))
+    with pytest.raises(Unauthenticated):
+        _auth(platform, None, session_id=fresh)
+
+    # A bearer header, even a bad one, is read first; a session is read only without one.
+    other = _create(platform, role="admin")
+    other_op = _auth(platform, f"Bearer {other.token}")
+    other_sid = _session(platform, other_op, other.token)
+    assert _auth(platform, "Basic abc", session_id=other_sid) == other_op  # not a bearer: the session counts
+    with pytest.raises(Unauthenticated):
+        _auth(platform, "Bearer avop_unknown", session_id=other_sid)
+
+
+def test_sessions_that_expired_a_day_ago_are_deleted_at_the_next_sign_in(platform, conn):
+    issued = _create(platform, role="viewer")
+    op = _auth(platform, f"Bearer {issued.token}")
+    stale, recent = _session(platform, op, issued.token), _session(platform, op, issued.token)
+    for sid, ago in ((stale, "2 days"), (recent, "1 hour")):
+        conn.execute("update operator_session set created_at = now() - interval '3 days', expires_at = now() - %s::interval"
+                     " where session_hash = %s", (ago, operators.hash_token(sid)))
+    _session(platform, op, issued.token)
+    left = {r["session_hash"] for r in conn.execute("select session_hash from operator_session where operator_id = %s",
+                                                    (op.operator_id,)).fetchall()}
+    assert operators.hash_token(stale) not in left and operators.hash_token(recent) in left and len(left) == 2

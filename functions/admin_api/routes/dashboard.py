@@ -1,11 +1,14 @@
 """The live operations dashboard (contracts/admin-api.md "Pages and metrics"): the page, its
-sign-in into an HttpOnly session cookie, and the JSON it polls (aivedio.admin.dashboard).
+sign-in into a server-side session whose id rides in an HttpOnly cookie, and the JSON it polls
+(aivedio.admin.dashboard).
 
 The page routes are public to the gate (a browser arrives without a token) and check the token
 themselves: without a valid one GET /dashboard shows only the sign-in form, no figures. The
 JSON is behind the gate like every admin route (dashboard.read; the gate accepts the cookie for
-GETs only, so a cross-site POST carrying it can do nothing). The cookie lasts
-SESSION_MAX_AGE_SECONDS, and a sign-in posted from another site is refused (login CSRF). Every
+GETs only, so a cross-site POST carrying it can do nothing). The cookie never holds the operator
+token: a session lasts SESSION_MAX_AGE_SECONDS, ends at sign-out, and dies with a rotation of the
+token it was opened with or the operator's revocation (aivedio.admin.operators). A sign-in posted
+from another site is refused (login CSRF). Every
 page carries a CSP of `default-src 'self'`: the script and styles are files served here, no inline
 code, nothing fetched from elsewhere; every value reaches the DOM through textContent."""
 from __future__ import annotations
@@ -24,9 +27,10 @@ from aws_lambda_powertools.event_handler.api_gateway import Router
 from aws_lambda_powertools.shared.cookies import Cookie, SameSite
 
 from aivedio.admin import dashboard, rbac
-from aivedio.admin.operators import Operator, authenticate_operator
+from aivedio.admin.operators import Operator, authenticate_operator, end_session, open_session
 from aivedio.context import get_platform
 from aivedio.errors import Forbidden, Unauthenticated
+from aivedio.observability import logger
 from functions.admin_api.access import SESSION_COOKIE, operator_of, public, requires, session_token
 
 router = Router()
@@ -47,9 +51,8 @@ SECURITY_HEADERS = {
 NO_STORE = {"Cache-Control": "no-store"}
 ASSET_CACHE = {"Cache-Control": "public, max-age=300"}
 HTML = "text/html; charset=utf-8"
-# How long a browser keeps the session cookie: one working day of an on-call shift. The cookie holds
-# the operator token itself, so without a Max-Age a browser that restores its session keeps it
-# for as long as the token lives; after this the operator signs in again.
+# How long a dashboard session lasts, in the database and as the cookie's Max-Age: one working day
+# of an on-call shift; after this the operator signs in again.
 SESSION_MAX_AGE_SECONDS = 12 * 3600
 
 
@@ -82,8 +85,8 @@ def _over_https(headers: dict[str, str]) -> bool:
     return headers.get("x-forwarded-proto", "").split(",")[0].strip().lower() == "https"
 
 
-def _session_cookie(token: str, headers: dict[str, str]) -> Cookie:
-    return Cookie(SESSION_COOKIE, token, path="/", secure=_over_https(headers), http_only=True, same_site=SameSite.STRICT_MODE,
+def _session_cookie(session_id: str, headers: dict[str, str]) -> Cookie:
+    return Cookie(SESSION_COOKIE, session_id, path="/", secure=_over_https(headers), http_only=True, same_site=SameSite.STRICT_MODE,
                   max_age=SESSION_MAX_AGE_SECONDS)
 
 
@@ -124,16 +127,17 @@ def _page_path() -> str:
     return path
 
 
-def _authenticate(authorization: str | None, cookie: str | None) -> Operator:
+def _authenticate(authorization: str | None, session_id: str | None) -> Operator:
     platform = get_platform()
     with platform.db.connection(timeout=platform.config.limits.api_database_wait_seconds) as conn:
-        return authenticate_operator(conn, authorization, cookie_token=cookie)
+        return authenticate_operator(conn, authorization, session_id=session_id)
+
 
 
 @router.get("/dashboard", include_in_schema=False)
 @public
 def page():
-    """The page with a valid token (bearer or session cookie); otherwise the sign-in form, no data.
+    """The page with a valid bearer token or session; otherwise the sign-in form, no data.
     /dashboard/ redirects to /dashboard: the script's data URL is relative to the page."""
     if (router.current_event.raw_event.get("path") or "").endswith("/"):
         return Response(status_code=308, content_type=content_types.TEXT_PLAIN, body="moved",
@@ -145,7 +149,7 @@ def page():
     try:
         op = _authenticate(authorization, cookie)
     except Unauthenticated:
-        # A stale cookie (token revoked or rotated) is dropped, so the next visit starts clean.
+        # A stale cookie (session ended or expired, token rotated, operator revoked) is dropped.
         return _signin_page(401, "That token is unknown or revoked: sign in again.",
                             [_cleared_cookie(headers)] if cookie else None)
     except Forbidden:
@@ -195,9 +199,9 @@ def _json(status: int, doc: dict, cookies: list[Cookie] | None = None) -> Respon
 @router.post("/dashboard/session", include_in_schema=False)
 @public
 def sign_in():
-    """Form (`token=`) or JSON (`{"token": ...}`): a valid operator token becomes the session cookie
-    (303 back to the page for a form, 200 for JSON); anything else is 401 and sets nothing. A
-    cross-site post (_cross_site) is 403 and sets nothing."""
+    """Form (`token=`) or JSON (`{"token": ...}`): a valid operator token opens a session whose id
+    becomes the cookie (303 back to the page for a form, 200 for JSON); anything else is 401 and
+    sets nothing. A cross-site post (_cross_site) is 403 and sets nothing."""
     headers = _headers()
     token, as_json = _posted_token()
     if _cross_site(headers):
@@ -212,12 +216,14 @@ def sign_in():
         op = _authenticate(f"Bearer {token}", None)
         if not rbac.allowed(op.role, PERMISSION):
             raise Forbidden(f"role {op.role} may not read the dashboard")
+        session_id = get_platform().db.transaction(lambda c: open_session(c, op, token, max_age_seconds=SESSION_MAX_AGE_SECONDS))
     except (Unauthenticated, Forbidden) as e:
         status, code = (401, "UNAUTHENTICATED") if isinstance(e, Unauthenticated) else (403, "FORBIDDEN")
         if as_json:
             return _json(status, {"error": code, "message": e.message, "details": {}})
         return _signin_page(status, "That token was not accepted: " + e.message + ".")
-    cookie = _session_cookie(token, headers)
+    logger.info("dashboard session opened", extra={"operator": op.audit_name, "role": op.role})
+    cookie = _session_cookie(session_id, headers)
     if as_json:
         return _json(200, {"signed_in": True, "operator": op.name, "role": op.role}, [cookie])
     return Response(status_code=303, content_type=content_types.TEXT_PLAIN, body="signed in",
@@ -227,8 +233,10 @@ def sign_in():
 @router.post("/dashboard/logout", include_in_schema=False)
 @public
 def sign_out():
-    """Clears the session cookie (the token itself stays valid until rotated or revoked)."""
+    """Ends the session in the database and clears its cookie (the operator token is untouched)."""
     headers = _headers()
+    if get_platform().db.transaction(lambda c: end_session(c, session_token(headers))):
+        logger.info("dashboard session ended")
     if (headers.get("content-type") or "").split(";", 1)[0].strip().lower() == "application/json":
         return _json(200, {"signed_in": False}, [_cleared_cookie(headers)])
     return Response(status_code=303, content_type=content_types.TEXT_PLAIN, body="signed out",

@@ -5,7 +5,11 @@ see rbac.NEW_ROLE_PERMISSIONS) and one admin token. A token is `avop_` + 32 rand
 and stored as sha256 hex only; tenant API keys start `av_` (aivedio.auth), so the two never pass for
 each other: a tenant key on the admin API is FORBIDDEN, an admin token on the tenant API is unknown.
 Every write is audited in its own transaction as `actor` (the CLI's `--operator` or `cli:<os user>`,
-or the calling operator's audit name); neither a token nor its hash ever reaches the audit log."""
+or the calling operator's audit name); neither a token nor its hash ever reaches the audit log.
+
+The dashboard signs a browser in with a session of its own (`avds_` + 32 random bytes, stored as
+sha256 hex only): the cookie never holds the operator token. A session ends on sign-out, when it
+expires, when the token it was opened with is rotated, or when the operator is revoked."""
 from __future__ import annotations
 
 import hashlib
@@ -20,6 +24,7 @@ from aivedio.admin import rbac
 from aivedio.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unauthenticated
 
 ADMIN_TOKEN_PREFIX = "avop_"
+SESSION_PREFIX = "avds_"
 OPERATOR_ROLES = rbac.OPERATOR_ROLES
 NAME_MAX = 64  # the operator_account_name_length CHECK
 TOKEN_PREFIX_LEN = 12  # what list shows to tell tokens apart ("avop_" + 7 characters)
@@ -79,6 +84,12 @@ FIND_ACTIVE_BY_TOKEN = """select operator_id, name, role from operator_account
                            where token_hash = %s and revoked_at is null"""
 FIND_ACTIVE_TENANT_KEY = """select 1 from api_key k join tenant t on t.tenant_id = k.tenant_id
                              where k.key_hash = %s and k.revoked_at is null and t.status = 'ACTIVE'"""
+# A live session of an active operator whose token is still the one the session was opened with.
+FIND_ACTIVE_BY_SESSION = """select o.operator_id, o.name, o.role
+                              from operator_session s join operator_account o on o.operator_id = s.operator_id
+                             where s.session_hash = %s and s.ended_at is null and s.expires_at > now()
+                               and o.revoked_at is null and o.token_hash = s.token_hash"""
+MAX_CREDENTIAL_LEN = 200
 
 
 def _bearer(authorization: str | None) -> str | None:
@@ -91,13 +102,16 @@ def _bearer(authorization: str | None) -> str | None:
 
 
 def authenticate_operator(conn: psycopg.Connection, authorization: str | None, *,
-                          cookie_token: str | None = None) -> Operator:
-    """The operator behind `Authorization: Bearer <token>` (else the dashboard's session cookie).
-    Unauthenticated when missing, unknown or revoked; Forbidden when it is a valid tenant API key."""
-    token = _bearer(authorization) or (cookie_token.strip() if cookie_token else None)
+                          session_id: str | None = None) -> Operator:
+    """The operator behind `Authorization: Bearer <token>`, else behind the dashboard's session id.
+    Unauthenticated when missing, unknown, ended or revoked; Forbidden when the bearer is a valid
+    tenant API key. A session cookie holding anything but a session id is unknown."""
+    token = _bearer(authorization)
+    if token is None and session_id and session_id.strip():
+        return _by_session(conn, session_id.strip())
     if not token:
         raise Unauthenticated("missing bearer operator token")
-    if len(token) > 200:
+    if len(token) > MAX_CREDENTIAL_LEN:
         raise Unauthenticated("unknown operator token")
     if token.startswith(ADMIN_TOKEN_PREFIX):
         row = conn.execute(FIND_ACTIVE_BY_TOKEN, (hash_token(token),)).fetchone()
@@ -107,6 +121,48 @@ def authenticate_operator(conn: psycopg.Connection, authorization: str | None, *
     if token.startswith(auth.KEY_PREFIX) and conn.execute(FIND_ACTIVE_TENANT_KEY, (auth.hash_key(token),)).fetchone():
         raise Forbidden("a tenant API key cannot call the admin API; use an operator token")
     raise Unauthenticated("unknown operator token")
+
+
+def _by_session(conn: psycopg.Connection, session_id: str) -> Operator:
+    row = None
+    if session_id.startswith(SESSION_PREFIX) and len(session_id) <= MAX_CREDENTIAL_LEN:
+        row = conn.execute(FIND_ACTIVE_BY_SESSION, (hash_token(session_id),)).fetchone()
+    if row is None:
+        raise Unauthenticated("unknown, expired or ended dashboard session: sign in again")
+    return Operator(row["operator_id"], row["name"], row["role"])
+
+
+# --- dashboard sessions -------------------------------------------------------------------------------------
+
+# A session is opened with the token just authenticated; the same statement checks it is still current.
+OPEN_SESSION = """insert into operator_session (session_hash, operator_id, token_hash, expires_at)
+                  select %(session_hash)s, operator_id, token_hash, now() + make_interval(secs => %(max_age)s)
+                    from operator_account
+                   where operator_id = %(operator_id)s and token_hash = %(token_hash)s and revoked_at is null
+                  returning operator_id"""
+# Bounded without a sweeper: each sign-in deletes what expired a day ago or more.
+DELETE_EXPIRED_SESSIONS = "delete from operator_session where expires_at < now() - interval '1 day'"
+END_SESSION = """update operator_session set ended_at = now() where session_hash = %s and ended_at is null
+                 returning operator_id"""
+
+
+def open_session(conn: psycopg.Connection, operator: Operator, token: str, *, max_age_seconds: int) -> str:
+    """A new dashboard session for the operator whose `token` was just authenticated; the session id
+    is returned once (only its hash is stored). Unauthenticated if the token changed meanwhile."""
+    session_id = SESSION_PREFIX + secrets.token_urlsafe(32)
+    conn.execute(DELETE_EXPIRED_SESSIONS)
+    row = conn.execute(OPEN_SESSION, {"session_hash": hash_token(session_id), "operator_id": operator.operator_id,
+                                      "token_hash": hash_token(token), "max_age": max_age_seconds}).fetchone()
+    if row is None:
+        raise Unauthenticated("unknown or revoked operator token")
+    return session_id
+
+
+def end_session(conn: psycopg.Connection, session_id: str | None) -> bool:
+    """Ends a dashboard session (sign-out); False when there was no live one by that id."""
+    if not session_id or not session_id.startswith(SESSION_PREFIX) or len(session_id) > MAX_CREDENTIAL_LEN:
+        return False
+    return conn.execute(END_SESSION, (hash_token(session_id),)).fetchone() is not None
 
 
 # --- writes -------------------------------------------------------------------------------------------------
