@@ -95,6 +95,35 @@ def test_a_bad_safeguard_name_is_refused_before_anything_starts(tmp_path):
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
+def test_a_run_that_fails_while_it_is_set_up_leaks_no_database_and_no_server(tmp_path, monkeypatch):
+    """The simulator refuses to start after the run's database and redis-server exist: both are undone."""
+    import psycopg
+
+    from aivedio.chaos import runner
+    from aivedio.chaos.redis_server import RedisServer
+    from aivedio.providers.simulator import SimulatorServer
+
+    started: list[RedisServer] = []
+    real_start = RedisServer.start
+
+    def recorded_start(self):
+        started.append(self)
+        return real_start(self)
+
+    def refused(self):
+        raise RuntimeError("the simulator did not start")
+
+    monkeypatch.setattr(RedisServer, "start", recorded_start)
+    monkeypatch.setattr(SimulatorServer, "start", refused)
+    seed = 424242
+    with pytest.raises(RuntimeError, match="did not start"):
+        runner.run(seed, 5.0, tmp_path / "run", admin_url=admin_url())
+    with psycopg.connect(admin_url(), autocommit=True) as c:
+        left = c.execute("select datname from pg_database where datname like %s", (f"aivedio_chaos_{seed}_%",)).fetchall()
+    assert left == [], left
+    assert len(started) == 1 and started[0].proc is None  # the redis-server it had started was stopped
+
+
 # --- the sweep --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("seed", sweep.ci_seeds(COMMIT))

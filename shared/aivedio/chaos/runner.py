@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -479,100 +480,103 @@ def run(seed: int, duration: float, out_dir: Path, *, admin_url: str, target: st
     for line in plans.describe(plan):
         echo(line)
 
-    db_url = create_database(admin_url, f"{seed}")
-    redis_server = RedisServer(out_dir / "redis").start()
-    behaviour = SimulatorBehaviour(**plan["provider"])
-    sim_accounts = [ProviderAccount(account_id=a, api_key=f"key-{a}", max_concurrency=n * SIM_HEADROOM)
-                    for a, n in plans.ACCOUNTS.items()]
-    sim = SimulatorServer(ProviderConfig(name=PROVIDER, base_url=None, webhook_secret=WEBHOOK_SECRET, accounts=sim_accounts,
-                                         simulator=behaviour, submit_timeout_seconds=SUBMIT_TIMEOUT_S),
-                          behaviour, plans.TIME_SCALE, port=0).start()
-    pg = urlsplit(db_url)
-    proxies = {"pg": proxy.FaultProxy(pg.hostname or "127.0.0.1", pg.port or 5432).start(),
-               "redis": proxy.FaultProxy("127.0.0.1", redis_server.port).start(),
-               "provider": proxy.FaultProxy("127.0.0.1", urlsplit(sim.base_url).port).start()}
-    from aivedio.chaos.redis_server import free_port
-
-    api_port = free_port()
-    api_url = f"http://127.0.0.1:{api_port}"
-    config = platform_config(f"http://127.0.0.1:{proxies['provider'].port}", plan["provider"], plan.get("timers"))
-    prefix = f"chaos{seed}"
-    node_settings = {"database_url": _via(db_url, proxies["pg"].port), "redis_url": _via(redis_server.url, proxies["redis"].port),
-                     "redis_prefix": prefix, "home": str(out_dir / "home"), "log_level": "WARNING", "api_base_url": api_url}
-    spec = {"settings": node_settings, "config": config.model_dump(mode="json"), "api_port": api_port, "api_url": api_url,
-            "pool_size": 4, "workflow_workers": 6, "deliveries": plan["deliveries"], "delivery_seed": plan["seeds"]["deliveries"]}
-    spec_path = out_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec, indent=1))
-
-    direct = build_platform(Settings(database_url=db_url, redis_url=redis_server.url, redis_prefix=prefix,
-                                     home=out_dir / "home", log_level="WARNING", api_base_url=api_url), config, pool_size=2)
-    cluster = sampler = injector = workload = history = None
-    result: dict[str, Any] = {}
-    try:
-        from aivedio.bootstrap import apply_config
-
-        with direct.db.connection() as c:
-            apply_config(c, config, direct.clock)
-        tenants = _make_tenants(direct, plan)
-        plan["params"]["tenants"] = {n: {"tenant_id": t["tenant_id"], "charge_policy": t["charge_policy"]} for n, t in tenants.items()}
-        (out_dir / "plan.json").write_text(json.dumps(plan, indent=1))
-
-        cluster = Cluster(spec_path, child_env, plan, logs)
-        cluster.start_all()
-        echo(f"  {len(cluster.nodes)} processes up; load for {duration:g}s")
-        t0 = time.monotonic()
-        started_at = datetime.now(timezone.utc)
-        history = History(out_dir / "history.jsonl", t0)
-        sampler = Sampler(db_url, out_dir / "samples.jsonl", t0).start()
-        workload = Workload(plan, tenants, api_port, history).start()
-        injector = Injector(plan, t0, cluster, proxies, redis_server, admin_url, db_url, out_dir / "faults.jsonl").start()
-        time.sleep(duration)
-        workload.stop()
-        load_stopped = time.monotonic() - t0
-        injector.stop()
-        faults_stopped = time.monotonic() - t0
-        echo(f"  faults stopped at {faults_stopped:.1f}s; waiting for every task to settle")
-        settle = _settle(db_url, plans.LIVENESS_BOUND_S)
-        settled_t = None if settle is None else faults_stopped + settle
-        time.sleep(1.0)  # late webhooks and repeated deliveries land: nothing may change a settled task
-        read = workload.read_all()
-        sampler.stop()
-        cluster.stop_all()
-        with psycopg.connect(db_url, autocommit=True, row_factory=dict_row) as c:
-            counts = facts.dump(c, out_dir)
-        (out_dir / "truth.json").write_text(json.dumps(sim.truth, default=str))
-        run_doc = {"seed": seed, "duration_s": duration, "plan_digest": plans.digest(plan), "started_at": started_at.isoformat(),
-                   "load_stopped_t": round(load_stopped, 3), "faults_stopped_t": round(faults_stopped, 3),
-                   "settled_t": None if settled_t is None else round(settled_t, 3), "final_reads": read,
-                   "history": dict(history.counts), "faults": {**injector.counts, **cluster.failpoints_hit()},
-                   "samples": sampler.samples,
-                   "sample_errors": sampler.errors, "facts": counts, "processes": cluster.exit_counts(),
-                   "proxies": {k: p.stats() for k, p in proxies.items()}}
-        (out_dir / "run.json").write_text(json.dumps(run_doc, indent=1, default=str))
-        history.close()
-        from aivedio.chaos import checkers, records
-
-        result = checkers.verdict(records.Run.load(out_dir))
-        result.update(run=run_doc)
-        (out_dir / "verdict.json").write_text(json.dumps(result, indent=1, default=str))
-        return result
-    finally:
-        for part in (workload, sampler):
-            if part is not None:
-                part.stop()
-        if cluster is not None:
-            cluster._stop.set()  # no restart from here on, whatever timer fires
-        if injector is not None:
-            try:
-                injector.stop()
-            except Exception:  # noqa: BLE001 - the run already failed; the teardown goes on
-                log.warning("chaos injector did not stop cleanly", exc_info=True)
-        if cluster is not None:
-            cluster.stop_all()
-        direct.close()
-        for px in proxies.values():
-            px.stop()
-        sim.stop()
-        redis_server.stop()
+    # Each part is undone (last made, first undone) as soon as it exists: a failure while the run is
+    # set up, such as a redis-server that does not start, leaks neither the database nor a server.
+    with contextlib.ExitStack() as cleanup:
+        db_url = create_database(admin_url, f"{seed}")
         if not keep_db:
-            drop_database(admin_url, db_url)
+            cleanup.callback(drop_database, admin_url, db_url)
+        redis_server = RedisServer(out_dir / "redis").start()
+        cleanup.callback(redis_server.stop)
+        behaviour = SimulatorBehaviour(**plan["provider"])
+        sim_accounts = [ProviderAccount(account_id=a, api_key=f"key-{a}", max_concurrency=n * SIM_HEADROOM)
+                        for a, n in plans.ACCOUNTS.items()]
+        sim = SimulatorServer(ProviderConfig(name=PROVIDER, base_url=None, webhook_secret=WEBHOOK_SECRET, accounts=sim_accounts,
+                                             simulator=behaviour, submit_timeout_seconds=SUBMIT_TIMEOUT_S),
+                              behaviour, plans.TIME_SCALE, port=0).start()
+        cleanup.callback(sim.stop)
+        pg = urlsplit(db_url)
+        proxies = {}
+        for name, (host, port) in {"pg": (pg.hostname or "127.0.0.1", pg.port or 5432), "redis": ("127.0.0.1", redis_server.port),
+                                   "provider": ("127.0.0.1", urlsplit(sim.base_url).port)}.items():
+            proxies[name] = proxy.FaultProxy(host, port).start()
+            cleanup.callback(proxies[name].stop)
+        from aivedio.chaos.redis_server import free_port
+
+        api_port = free_port()
+        api_url = f"http://127.0.0.1:{api_port}"
+        config = platform_config(f"http://127.0.0.1:{proxies['provider'].port}", plan["provider"], plan.get("timers"))
+        prefix = f"chaos{seed}"
+        node_settings = {"database_url": _via(db_url, proxies["pg"].port), "redis_url": _via(redis_server.url, proxies["redis"].port),
+                         "redis_prefix": prefix, "home": str(out_dir / "home"), "log_level": "WARNING", "api_base_url": api_url}
+        spec = {"settings": node_settings, "config": config.model_dump(mode="json"), "api_port": api_port, "api_url": api_url,
+                "pool_size": 4, "workflow_workers": 6, "deliveries": plan["deliveries"], "delivery_seed": plan["seeds"]["deliveries"]}
+        spec_path = out_dir / "spec.json"
+        spec_path.write_text(json.dumps(spec, indent=1))
+
+        direct = build_platform(Settings(database_url=db_url, redis_url=redis_server.url, redis_prefix=prefix,
+                                         home=out_dir / "home", log_level="WARNING", api_base_url=api_url), config, pool_size=2)
+        cleanup.callback(direct.close)
+        cluster = sampler = injector = workload = history = None
+        result: dict[str, Any] = {}
+        try:
+            from aivedio.bootstrap import apply_config
+
+            with direct.db.connection() as c:
+                apply_config(c, config, direct.clock)
+            tenants = _make_tenants(direct, plan)
+            plan["params"]["tenants"] = {n: {"tenant_id": t["tenant_id"], "charge_policy": t["charge_policy"]} for n, t in tenants.items()}
+            (out_dir / "plan.json").write_text(json.dumps(plan, indent=1))
+
+            cluster = Cluster(spec_path, child_env, plan, logs)
+            cluster.start_all()
+            echo(f"  {len(cluster.nodes)} processes up; load for {duration:g}s")
+            t0 = time.monotonic()
+            started_at = datetime.now(timezone.utc)
+            history = History(out_dir / "history.jsonl", t0)
+            sampler = Sampler(db_url, out_dir / "samples.jsonl", t0).start()
+            workload = Workload(plan, tenants, api_port, history).start()
+            injector = Injector(plan, t0, cluster, proxies, redis_server, admin_url, db_url, out_dir / "faults.jsonl").start()
+            time.sleep(duration)
+            workload.stop()
+            load_stopped = time.monotonic() - t0
+            injector.stop()
+            faults_stopped = time.monotonic() - t0
+            echo(f"  faults stopped at {faults_stopped:.1f}s; waiting for every task to settle")
+            settle = _settle(db_url, plans.LIVENESS_BOUND_S)
+            settled_t = None if settle is None else faults_stopped + settle
+            time.sleep(1.0)  # late webhooks and repeated deliveries land: nothing may change a settled task
+            read = workload.read_all()
+            sampler.stop()
+            cluster.stop_all()
+            with psycopg.connect(db_url, autocommit=True, row_factory=dict_row) as c:
+                counts = facts.dump(c, out_dir)
+            (out_dir / "truth.json").write_text(json.dumps(sim.truth, default=str))
+            run_doc = {"seed": seed, "duration_s": duration, "plan_digest": plans.digest(plan), "started_at": started_at.isoformat(),
+                       "load_stopped_t": round(load_stopped, 3), "faults_stopped_t": round(faults_stopped, 3),
+                       "settled_t": None if settled_t is None else round(settled_t, 3), "final_reads": read,
+                       "history": dict(history.counts), "faults": {**injector.counts, **cluster.failpoints_hit()},
+                       "samples": sampler.samples,
+                       "sample_errors": sampler.errors, "facts": counts, "processes": cluster.exit_counts(),
+                       "proxies": {k: p.stats() for k, p in proxies.items()}}
+            (out_dir / "run.json").write_text(json.dumps(run_doc, indent=1, default=str))
+            history.close()
+            from aivedio.chaos import checkers, records
+
+            result = checkers.verdict(records.Run.load(out_dir))
+            result.update(run=run_doc)
+            (out_dir / "verdict.json").write_text(json.dumps(result, indent=1, default=str))
+            return result
+        finally:
+            for part in (workload, sampler):
+                if part is not None:
+                    part.stop()
+            if cluster is not None:
+                cluster._stop.set()  # no restart from here on, whatever timer fires
+            if injector is not None:
+                try:
+                    injector.stop()
+                except Exception:  # noqa: BLE001 - the run already failed; the teardown goes on
+                    log.warning("chaos injector did not stop cleanly", exc_info=True)
+            if cluster is not None:
+                cluster.stop_all()
