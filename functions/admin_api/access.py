@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from http.cookies import CookieError, SimpleCookie
 from typing import TypeVar
+from uuid import UUID
 
 from aivedio.context import get_platform
 from aivedio.db.pool import UNAVAILABLE
@@ -74,6 +75,16 @@ def _internal(message: str, **extra) -> dict:
     return _reply(500, "INTERNAL", "internal error")
 
 
+def _named_tenant(route, path: str) -> UUID | None:
+    """The tenant a route's path names ({tenant_id}), when it is a UUID; the tenant need not exist."""
+    m = route.rule.match(path)
+    raw = (m.groupdict() if m else {}).get("tenant_id")
+    try:
+        return UUID(raw) if raw else None
+    except ValueError:
+        return None
+
+
 def gate(app, event: dict) -> dict | None:
     """None lets the request through (with the operator in app.context); otherwise the proxy answer."""
     from aivedio.admin import rbac
@@ -112,7 +123,7 @@ def gate(app, event: dict) -> dict | None:
         reason = f"role {operator.role} lacks {permission}"
         try:
             rbac.audit_denied(platform, operator=operator.audit_name, action=permission,
-                              target=f"{method} {path}", reason=reason)
+                              target=f"{method} {path}", reason=reason, tenant_id=_named_tenant(route, path))
         except UNAVAILABLE:
             return database_unavailable_reply(platform)
         return _reply(403, "FORBIDDEN", f"operator {operator.name!r} may not {permission}",

@@ -70,7 +70,8 @@ def admin_routes():
 def concrete_path(rule: re.Pattern) -> str:
     """A path the rule matches: each path parameter a fresh UUID (which no row has)."""
     pattern = rule.pattern.removeprefix("^").removesuffix("$").removesuffix("/*")
-    return re.sub(r"\(\?P<\w+>[^)]*\)", lambda _: str(uuid.uuid4()), pattern).replace("\\", "")
+    # A parameter is (?P<name>[...]+): its character class holds ")" and an escaped "]", and ends at "]+)".
+    return re.sub(r"\(\?P<\w+>\[.*?\]\+\)", lambda _: str(uuid.uuid4()), pattern).replace("\\", "")
 
 
 # --- who gets in ------------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ def test_a_route_without_a_permission_is_refused_as_a_programming_error(platform
 
 def test_each_role_gets_403_exactly_where_it_lacks_the_permission_and_is_audited(platform, ops, conn):
     routes = [r for r in admin_routes() if not getattr(r.func, "admin_public", False)]
-    checked = denied = 0
+    checked = denied = tenant_denials = 0
     for r in routes:
         perm = r.func.admin_permission
         path = concrete_path(r.rule)
@@ -185,11 +186,15 @@ def test_each_role_gets_403_exactly_where_it_lacks_the_permission_and_is_audited
             denied += 1
             assert status == 403 and doc["error"] == "FORBIDDEN", (role, r.method, path, perm, status, doc)
             row = conn.execute(
-                "select action, reason from audit_log where operator = %s and target = %s order by audit_id desc limit 1",
+                "select action, reason, tenant_id from audit_log where operator = %s and target = %s order by audit_id desc limit 1",
                 (f"op:{op.name}", f"{r.method} {path}")).fetchone()
             assert row is not None and perm in row["action"] and row["action"].endswith("denied"), (role, r.method, path, row)
-    assert checked == 4 * len(routes) and denied > 0
-    print(f"role matrix: {len(routes)} routes x {len(ROLES)} roles, {denied} denials")
+            # Filed with the tenant the path names, so that tenant's audit trail shows the denial too.
+            named = r.rule.match(path).groupdict().get("tenant_id")
+            assert str(row["tenant_id"]) == named if named else row["tenant_id"] is None, (r.method, path, row)
+            tenant_denials += bool(named)
+    assert checked == 4 * len(routes) and denied > 0 and tenant_denials > 0
+    print(f"role matrix: {len(routes)} routes x {len(ROLES)} roles, {denied} denials, {tenant_denials} on a tenant's path")
     assert all(rbac.allowed("admin", r.func.admin_permission) for r in routes)
 
 

@@ -108,10 +108,13 @@ def audit(conn: psycopg.Connection, *, operator: str, action: str, target: str |
                                 None if new is None else json.dumps(new, default=str), reason, policy_version))
 
 
-def audit_denied(platform, *, operator: str, action: str, target: str | None, reason: str) -> None:
-    """A refused attempt, audited in a transaction of its own: the refused request writes nothing else."""
+def audit_denied(platform, *, operator: str, action: str, target: str | None, reason: str,
+                 tenant_id: UUID | None = None) -> None:
+    """A refused attempt, audited in a transaction of its own: the refused request writes nothing else.
+    `tenant_id`, the tenant the request named, files the denial with that tenant's audit rows."""
     platform.db.transaction(lambda conn: audit(conn, operator=operator, action=f"{action}.denied", target=target,
-                                               new={"outcome": "DENIED", "action": action}, reason=reason))
+                                               tenant_id=tenant_id, new={"outcome": "DENIED", "action": action},
+                                               reason=reason))
 
 
 def grant(conn: psycopg.Connection, *, operator: str, grantee: str, role: str) -> bool:
