@@ -133,7 +133,6 @@ def _authenticate(authorization: str | None, session_id: str | None) -> Operator
         return authenticate_operator(conn, authorization, session_id=session_id)
 
 
-
 @router.get("/dashboard", include_in_schema=False)
 @public
 def page():
@@ -150,7 +149,7 @@ def page():
         op = _authenticate(authorization, cookie)
     except Unauthenticated:
         # A stale cookie (session ended or expired, token rotated, operator revoked) is dropped.
-        return _signin_page(401, "That token is unknown or revoked: sign in again.",
+        return _signin_page(401, "That session has ended, or the token is unknown or revoked: sign in again.",
                             [_cleared_cookie(headers)] if cookie else None)
     except Forbidden:
         return _signin_page(403, "A tenant API key cannot open the operations dashboard: use an operator token.",
