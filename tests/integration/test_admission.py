@@ -173,8 +173,8 @@ def test_accepted_best_effort_when_the_wait_is_too_long_and_the_policy_allows(ma
 def _mid_minute_clock(day_headroom_seconds: int = 300) -> ManualClock:
     """10 s into the current minute, so the minute tests' steps of 60 s land in known windows; moved
     ahead to just after midnight when the day ends within the headroom, so the per-day test's steps
-    never cross into a new day (its budget window). Never earlier than now: prices are in force
-    from when the test made them."""
+    never cross into a new day (its budget window). It moves ahead, never back a day: prices are in
+    force from when the test made them."""
     now = datetime.now(timezone.utc).replace(second=10, microsecond=0)
     if (now + timedelta(seconds=day_headroom_seconds)).date() != now.date():
         now = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), timezone.utc).replace(second=10)

@@ -279,11 +279,13 @@ def test_sign_in_sets_an_httponly_strict_cookie_and_logout_ends_the_session(plat
     cookie = r.headers["set-cookie"]
     assert cookie.startswith(f"{SESSION}=avds_") and op.token not in cookie  # a session id, never the token
     session = {"Cookie": cookie.split(";", 1)[0]}
+    http.cookies.clear()  # the next sign-ins come from other browsers: one that sends this cookie ends its session
     attrs = {a.strip().lower() for a in cookie.split(";")[1:]}
     assert {"httponly", "samesite=strict", "path=/"} <= attrs and "secure" not in attrs  # plain http here
 
     r = http.post("/dashboard/session", data={"token": op.token}, headers={"X-Forwarded-Proto": "https"})
     assert "secure" in {a.strip().lower() for a in r.headers["set-cookie"].split(";")}
+    http.cookies.clear()
 
     r = http.post("/dashboard/session", json={"token": op.token})
     assert r.status_code == 200 and r.json() == {"signed_in": True, "operator": op.name, "role": "viewer"}
@@ -306,6 +308,17 @@ def test_sign_in_sets_an_httponly_strict_cookie_and_logout_ends_the_session(plat
     assert http.get("/dashboard", headers=session).status_code == 401
     assert http.get("/admin/v1/dashboard", headers=json_session).status_code == 200
     assert http.post("/dashboard/logout").status_code == 303  # without a session: nothing to end, still signed out
+
+
+def test_signing_in_again_ends_the_session_the_browser_held(platform, http):
+    op = _operator(platform)
+    first = _session_cookie(http, op)
+    r = http.post("/dashboard/session", data={"token": op.token}, headers=first)
+    assert r.status_code == 303
+    second = {"Cookie": r.headers["set-cookie"].split(";", 1)[0]}
+    assert second != first
+    assert http.get("/admin/v1/dashboard", headers=first).status_code == 401
+    assert http.get("/admin/v1/dashboard", headers=second).status_code == 200
 
 
 def test_the_session_cookie_expires(platform, http):

@@ -29,6 +29,7 @@ from aws_lambda_powertools.shared.cookies import Cookie, SameSite
 from aivedio.admin import dashboard, rbac
 from aivedio.admin.operators import Operator, authenticate_operator, end_session, open_session
 from aivedio.context import get_platform
+from aivedio.db.pool import UNAVAILABLE
 from aivedio.errors import Forbidden, Unauthenticated
 from aivedio.observability import logger
 from functions.admin_api.access import SESSION_COOKIE, operator_of, public, requires, session_token
@@ -215,7 +216,13 @@ def sign_in():
         op = _authenticate(f"Bearer {token}", None)
         if not rbac.allowed(op.role, PERMISSION):
             raise Forbidden(f"role {op.role} may not read the dashboard")
-        session_id = get_platform().db.transaction(lambda c: open_session(c, op, token, max_age_seconds=SESSION_MAX_AGE_SECONDS))
+        previous = session_token(headers)
+
+        def reopen(c):  # a browser signing in again ends the session its cookie held
+            end_session(c, previous)
+            return open_session(c, op, token, max_age_seconds=SESSION_MAX_AGE_SECONDS)
+
+        session_id = get_platform().db.transaction(reopen)
     except (Unauthenticated, Forbidden) as e:
         status, code = (401, "UNAUTHENTICATED") if isinstance(e, Unauthenticated) else (403, "FORBIDDEN")
         if as_json:
@@ -232,10 +239,16 @@ def sign_in():
 @router.post("/dashboard/logout", include_in_schema=False)
 @public
 def sign_out():
-    """Ends the session in the database and clears its cookie (the operator token is untouched)."""
+    """Ends the session in the database and clears its cookie (the operator token is untouched). The
+    cookie is cleared even when the database cannot be reached; the session then ends at its expiry."""
     headers = _headers()
-    if get_platform().db.transaction(lambda c: end_session(c, session_token(headers))):
-        logger.info("dashboard session ended")
+    session_id = session_token(headers)
+    if session_id:
+        try:
+            if get_platform().db.transaction(lambda c: end_session(c, session_id)):
+                logger.info("dashboard session ended")
+        except UNAVAILABLE:
+            logger.warning("dashboard sign-out: database unavailable, the session ends at its expiry")
     if (headers.get("content-type") or "").split(";", 1)[0].strip().lower() == "application/json":
         return _json(200, {"signed_in": False}, [_cleared_cookie(headers)])
     return Response(status_code=303, content_type=content_types.TEXT_PLAIN, body="signed out",

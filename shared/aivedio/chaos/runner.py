@@ -486,8 +486,9 @@ def run(seed: int, duration: float, out_dir: Path, *, admin_url: str, target: st
         db_url = create_database(admin_url, f"{seed}")
         if not keep_db:
             cleanup.callback(drop_database, admin_url, db_url)
-        redis_server = RedisServer(out_dir / "redis").start()
-        cleanup.callback(redis_server.stop)
+        redis_server = RedisServer(out_dir / "redis")
+        cleanup.callback(redis_server.stop)  # before start: a server that starts but never answers is stopped too
+        redis_server.start()
         behaviour = SimulatorBehaviour(**plan["provider"])
         sim_accounts = [ProviderAccount(account_id=a, api_key=f"key-{a}", max_concurrency=n * SIM_HEADROOM)
                         for a, n in plans.ACCOUNTS.items()]
