@@ -157,6 +157,20 @@ def redis_url() -> str:
     return _test_redis_url()
 
 
+def stop_if_running(proc, timeout: float = 30) -> None:
+    """A test's teardown of a server it started as a subprocess: Ctrl-C, then a kill after `timeout`."""
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def drop_redis_prefix(redis_url: str, prefix: str) -> None:
     """Delete every key a test wrote under its prefix."""
     from aivedio.cache.client import Cache

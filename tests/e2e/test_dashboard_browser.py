@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import _test_redis_url, create_test_database, drop_test_database
+from tests.conftest import _test_redis_url, create_test_database, drop_test_database, stop_if_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -120,13 +119,7 @@ def served(tmp_path, redis_prefix):
             time.sleep(0.3)
         yield base, env, log_path
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_if_running(proc)
         drop_test_database(url)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import httpx
 import pytest
 
 from aivedio.admin.tenants import create_tenant
+from tests.conftest import drop_redis_prefix, stop_if_running
 from tests.scheduler_support import OPEN, UNCAPPED
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("media")]
@@ -115,15 +115,7 @@ def serve_process(db_url, redis_url, tmp_path):
             time.sleep(0.3)
         yield base, log_path
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        from tests.conftest import drop_redis_prefix
-
+        stop_if_running(proc)
         drop_redis_prefix(redis_url, prefix)
 
 
