@@ -1243,8 +1243,7 @@ def test_a_webhook_racing_the_adoption_leaves_no_orphan(fresh_db, redis_url, red
     try:
         t = _tenant(platform)
         (task_id,) = submit(platform, t.tenant_id, t.user_id)
-        ref = _ref(_claim(platform, conn, task_id))
-        s = drive(platform, ref, until=("wait", "done", "manual_review"))
+        ref, s = _claim_until_sent(platform, conn, task_id)
         assert s.get("then") == "resolve", s  # SUBMIT_UNKNOWN: the connection was reset after the job was created
         (job,) = sim.truth["jobs"]
         body = json.dumps({"type": "job.running", "data": {"id": job["id"], "status": "running", "created_at": job["created_at"]}})
