@@ -7,7 +7,7 @@ limited on its own dimension (provider slots, GPU, media units, cost)."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
 
 from aivedio.admission.models import GenerationRequest
@@ -61,7 +61,7 @@ class Estimate:
     estimate_version: int = ESTIMATE_VERSION
 
     def normalized_params(self) -> dict:
-        d = asdict(self)
+        d = dict(vars(self))  # every field is a scalar: asdict()'s deep copy would copy nothing more
         d["estimated_cost"] = str(self.estimated_cost)
         return d
 

@@ -38,29 +38,25 @@ MAX_RETRY_AFTER_SECONDS = 3600  # the longest Retry-After a rejection suggests
 SPENT_KEY_CONSTRAINT = "generation_task_tenant_idempotency_key"
 SLOT_SHORT = "aivedio_slot_short"  # the slot path found its allowance spent after it had looked (migration 0195)
 
-ADMIT = """
-select * from aivedio_admit(
-    p_tenant => %(tenant)s, p_user => %(user)s, p_task => %(task)s, p_key => %(key)s, p_hash => %(hash)s,
-    p_claimed => %(claimed)s, p_now => %(now)s, p_now_iso => %(now_iso)s::text, p_record_expires => %(record_expires)s,
-    p_queue_class => %(queue_class)s::text, p_band => %(band)s::smallint, p_resource_class => %(resource_class)s::text,
-    p_model => %(model)s::text, p_units => %(units)s::bigint, p_slot_units => %(slot_units)s::bigint,
-    p_cost_units => %(cost_units)s::bigint, p_gpu_units => %(gpu_units)s::bigint, p_media_units => %(media_units)s::bigint,
-    p_mode => %(mode)s::text, p_prompt => %(prompt)s::text, p_duration => %(duration)s::integer,
-    p_resolution => %(resolution)s::text, p_with_audio => %(with_audio)s, p_interactive => %(interactive)s,
-    p_inputs => %(inputs)s, p_params => %(params)s, p_expensive => %(expensive)s,
-    p_estimate_version => %(estimate_version)s::bigint, p_project => %(project)s::text,
-    p_policy_version => %(policy_version)s::bigint, p_weight => %(weight)s::bigint,
-    p_max_user_tasks => %(max_user_tasks)s::bigint, p_max_user_units => %(max_user_units)s::bigint,
-    p_max_tasks => %(max_tasks)s::bigint, p_max_units => %(max_units)s::bigint,
-    p_max_cost_minute => %(max_cost_minute)s::bigint, p_max_cost_day => %(max_cost_day)s::bigint,
-    p_max_wait => %(max_wait)s::float8, p_minute_start => %(minute_start)s, p_day_start => %(day_start)s,
-    p_lane_units => %(lane_units)s::bigint, p_lane_weight => %(lane_weight)s::bigint, p_lane_mu => %(lane_mu)s::float8,
-    p_be_allowed => %(be_allowed)s, p_be_units => %(be_units)s::bigint, p_be_weight => %(be_weight)s::bigint,
-    p_be_mu => %(be_mu)s::float8, p_be_max_units => %(be_max_units)s::bigint,
-    p_price_version => %(price_version)s, p_quoted => %(quoted)s::bigint, p_amount => %(amount)s::bigint,
-    p_charge_policy => %(charge_policy)s::text, p_unit => %(unit)s::text, p_event_id => %(event_id)s,
-    p_merged => %(merged)s)
-"""
+# The call's arguments in order, each with its SQL type where the function needs one named. The call
+# uses PostgreSQL's own placeholders ($1...): psycopg converts a query with %(name)s placeholders on
+# every execution when it has more than 50 parameters, and this one has 57.
+ADMIT_ARGS = (
+    ("tenant", ""), ("user", ""), ("task", ""), ("key", ""), ("hash", ""), ("claimed", ""), ("now", ""),
+    ("now_iso", "text"), ("record_expires", ""), ("queue_class", "text"), ("band", "smallint"),
+    ("resource_class", "text"), ("model", "text"), ("units", "bigint"), ("slot_units", "bigint"),
+    ("cost_units", "bigint"), ("gpu_units", "bigint"), ("media_units", "bigint"), ("mode", "text"), ("prompt", "text"),
+    ("duration", "integer"), ("resolution", "text"), ("with_audio", ""), ("interactive", ""), ("inputs", ""),
+    ("params", ""), ("expensive", ""), ("estimate_version", "bigint"), ("project", "text"), ("policy_version", "bigint"),
+    ("weight", "bigint"), ("max_user_tasks", "bigint"), ("max_user_units", "bigint"), ("max_tasks", "bigint"),
+    ("max_units", "bigint"), ("max_cost_minute", "bigint"), ("max_cost_day", "bigint"), ("max_wait", "float8"),
+    ("minute_start", ""), ("day_start", ""), ("lane_units", "bigint"), ("lane_weight", "bigint"), ("lane_mu", "float8"),
+    ("be_allowed", ""), ("be_units", "bigint"), ("be_weight", "bigint"), ("be_mu", "float8"), ("be_max_units", "bigint"),
+    ("price_version", ""), ("quoted", "bigint"), ("amount", "bigint"), ("charge_policy", "text"), ("unit", "text"),
+    ("event_id", ""), ("merged", ""),
+)
+ADMIT = "select * from aivedio_admit(" + ", ".join(
+    f"p_{name} => ${i}" + (f"::{cast}" if cast else "") for i, (name, cast) in enumerate(ADMIT_ARGS, 1)) + ")"
 
 
 @dataclass(frozen=True)
@@ -134,7 +130,7 @@ def call(platform, p: dict) -> dict:
     for attempt in range(1, MAX_TX_ATTEMPTS + 1):
         try:
             with platform.db.connection() as conn:
-                return conn.execute(ADMIT, p).fetchone()
+                return psycopg.RawCursor(conn).execute(ADMIT, [p[name] for name, _ in ADMIT_ARGS]).fetchone()
         except RETRYABLE as e:
             if attempt == MAX_TX_ATTEMPTS:
                 raise
