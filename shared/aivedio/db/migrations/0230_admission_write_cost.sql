@@ -20,7 +20,8 @@
 -- 3. A reservation's allocations name their reservation and tenant in one foreign key, (tenant_id,
 --    reservation_id): one check instead of two, and the tenant is now the reservation's.
 -- 4. aivedio_expected_wait is plain SQL, which the planner inlines into the caller's expression.
--- 5. aivedio_admit makes the same checks and writes in fewer statements: the wallet is locked by the
+-- 5. aivedio_admit makes the same checks and writes in fewer statements, by key (index scans), with
+--    the foreign keys checked inside it: the wallet is locked by the
 --    statement that finds it (unless it is partitioned: the allowances are locked first), the
 --    idempotency record, the queue usage and the cost windows are read in one statement, and the
 --    task, reservation, allocations, ledger transaction and entries, lots, wallet snapshot, charge,
@@ -328,7 +329,11 @@ CREATE FUNCTION aivedio_admit(
     OUT wait_seconds double precision, OUT amount bigint,
     OUT rec_hash text, OUT rec_status text, OUT rec_response_status integer, OUT rec_body text,
     OUT path text)
-LANGUAGE plpgsql AS $$
+-- Every read here is by key. On the small, hot tables (a wallet row per tenant, a lot per wallet,
+-- updated by every admission) the planner prefers a sequential scan, which reads every dead row
+-- version the admissions left since the last vacuum; an index scan reads the one row's chain. The
+-- foreign keys' checks are planned here too: SET CONSTRAINTS below makes them run in this function.
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     w wallet_account%ROWTYPE;
     v_part wallet_partitioning%ROWTYPE;
@@ -357,6 +362,10 @@ DECLARE
     v_txn uuid := gen_random_uuid();
     v_max_wait_secs constant double precision := 315360000;  -- ten years: the estimated start's cap
 BEGIN
+    -- The deferred foreign keys checked at the end of each statement, inside this function (and with
+    -- its plans), not at commit: every parent is written before or with its children here. The call
+    -- is its transaction (aivedio.admission.write), so nothing else is checked earlier for it.
+    SET CONSTRAINTS ALL IMMEDIATE;
     decision := 'ACCEPTED';
     queue_class := p_queue_class;
     path := 'WALLET';
