@@ -1,14 +1,17 @@
 """The local API Gateway stand-in: every method reaches the handler as a proxy event, the 10 MiB
-payload limit answers 413, and a handler that fails answers 502, as API Gateway does."""
+payload limit answers 413, and a handler that fails answers 502, as API Gateway does. The header
+block is read by read_headers (not the email package): repeats kept in order, names in any case,
+and a malformed block refused before any handler sees it."""
 import base64
 import http.client
+import io
 import json
 import socket
 import threading
 
 import pytest
 
-from aivedio.local.http_server import MAX_BODY_BYTES, LambdaHttpServer
+from aivedio.local.http_server import MAX_BODY_BYTES, LambdaHttpServer, read_headers
 
 
 def echo_handler(event, context):
@@ -147,3 +150,78 @@ def test_invocations_run_concurrently():
     finally:
         s.stop()
     assert statuses == [200] * 5
+
+
+# --- the request's header block (read_headers: the email package's parser is not used) ---------------
+
+def raw(server, data: bytes) -> bytes:
+    """Send bytes as they are; everything the server answers until it closes (or 5 s pass)."""
+    host, port = server.server_address[:2]
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.sendall(data)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except TimeoutError:
+            pass
+        return out
+
+
+def status_of(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_headers_reach_the_event_in_order_with_repeats_and_any_case(server):
+    answer = raw(server, b"GET /h HTTP/1.1\r\nHost: x\r\nX-Tag: one\r\nX-Tag:   two  \r\nConnection: close\r\n\r\n")
+    assert status_of(answer) == 200
+    # Every value of a repeated header, in order, each without its leading blanks.
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["tag"] == ["one", "two  "]
+    h = read_headers(io.BytesIO(b"x-tag: one\r\nX-Tag: two\r\nContent-Length: 3\r\n\r\nabc"))
+    assert h.items() == [("x-tag", "one"), ("X-Tag", "two"), ("Content-Length", "3")]
+    assert h.get("X-TAG") == "one" and h["content-length"] == "3" and "CONTENT-LENGTH" in h and h.get("nope") is None
+
+
+def test_an_obsolete_folded_line_continues_the_header_before_it():
+    h = read_headers(io.BytesIO(b"X-Long: first\r\n   second\r\n\tthird\r\n\r\n"))
+    assert h.items() == [("X-Long", "first second third")]
+
+
+@pytest.mark.parametrize("block, status", [
+    (b"NoColonHere\r\n\r\n", 400),
+    (b"Bad Name: v\r\n\r\n", 400),          # no blank inside or before the name's colon
+    (b": no name\r\n\r\n", 400),
+    (b" starts-folded: v\r\nHost: x\r\n\r\n", 400),  # a continuation with nothing to continue
+    (b"".join(b"X-%d: v\r\n" % i for i in range(101)) + b"\r\n", 431),
+    (b"X-Big: " + b"a" * 70000 + b"\r\n\r\n", 431),
+])
+def test_a_malformed_header_block_is_refused_and_never_reaches_the_handler(server, block, status):
+    answer = raw(server, b"GET /h HTTP/1.1\r\n" + block)
+    assert status_of(answer) == status
+    assert b'"path"' not in answer
+
+
+def test_connection_rules_of_http_1_0_and_1_1(server):
+    # HTTP/1.0 closes after one answer; HTTP/1.1 keeps the connection unless told to close; 2.0 is refused.
+    one = raw(server, b"GET /a HTTP/1.0\r\n\r\nGET /b HTTP/1.0\r\n\r\n")
+    assert one.count(b"HTTP/1.") == 1 and b'"/a"' in one
+    two = raw(server, b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                      b"GET /c HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert b'"/a"' in two and b'"/b"' in two and b'"/c"' not in two
+    # (An unusable version is answered as http.server does, without a status line: the code is in the page.)
+    assert b"Error code: 505" in raw(server, b"GET /a HTTP/2.0\r\n\r\n")
+    assert b"Error code: 400" in raw(server, b"GET /a HTTP/1.x\r\n\r\n")
+    assert b"Error code: 400" in raw(server, b"POST /a\r\n\r\n")  # HTTP/0.9 knows GET only
+
+
+def test_expect_100_continue_is_answered_before_the_body(server):
+    host, port = server.server_address[:2]
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.sendall(b"POST /e HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 2\r\nConnection: close\r\n\r\n")
+        first = s.recv(1024)
+        assert first.startswith(b"HTTP/1.1 100")
+        s.sendall(b"hi")
+        rest = b""
+        while chunk := s.recv(65536):
+            rest += chunk
+    assert b" 200 " in rest and json.loads(rest.split(b"\r\n\r\n", 1)[1])["body"] == "hi"

@@ -199,8 +199,12 @@ def admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, idem
     return result
 
 
-# The policy and the key's record in one statement: a replay answers before any rate is spent.
-PRECHECK = """select p.*, t.service_class as tenant_service_class,
+# The policy and the key's record in one statement: a replay answers before any rate is spent. Only
+# the policy's columns admission reads (each column more is a value decoded on every request).
+PRECHECK = """select p.tenant_id, t.service_class as tenant_service_class, p.policy_version, p.weight,
+                     p.user_submit_rate_per_minute, p.tenant_submit_rate_per_minute, p.expensive_allowed,
+                     p.allow_best_effort_downgrade, p.max_user_queued_tasks, p.max_user_queued_units, p.max_queued_tasks,
+                     p.max_queued_units, p.max_cost_per_minute, p.max_cost_per_day, p.max_wait_seconds,
                      r.request_hash as idem_request_hash, r.status as idem_status, r.response_status as idem_response_status,
                      r.response_body as idem_response_body, r.expires_at as idem_expires_at,
                      r.locked_until as idem_locked_until

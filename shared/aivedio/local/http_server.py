@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,7 +31,71 @@ from aivedio.local.lambda_context import FakeLambdaContext
 log = logging.getLogger("aivedio.local.http")
 
 MAX_BODY_BYTES = 10 * 1024 * 1024  # API Gateway's payload quota
+MAX_HEADER_LINE_BYTES = 65536  # http.client's limits for a header line and the number of headers
+MAX_HEADERS = 100
+_HEADER_NAME = re.compile(r"[\x21-\x39\x3b-\x7e]+")  # printable, no colon: the email parser's rule
 LambdaHandler = Callable[[dict, Any], Any]
+
+
+class Headers:
+    """A request's headers as the handler reads them: get() the first value of a name in any case,
+    items() every (name, value) in order. What http.server builds instead (an email.message.Message,
+    through the email package's parser) cost more CPU than the rest of the server's part of a request."""
+
+    __slots__ = ("_items", "_first")
+
+    def __init__(self, items: list[tuple[str, str]]):
+        self._items = items
+        self._first: dict[str, str] = {}
+        for name, value in items:
+            self._first.setdefault(name.lower(), value)
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        return self._first.get(name.lower(), default)
+
+    def __getitem__(self, name: str) -> str | None:
+        return self._first.get(name.lower())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._first
+
+    def items(self) -> list[tuple[str, str]]:
+        return list(self._items)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self._items)
+
+
+class BadHeaders(ValueError):
+    def __init__(self, status: HTTPStatus, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def read_headers(rfile) -> Headers:
+    """The header block of a request, up to its empty line: `Name: value` lines (the value without
+    its leading blanks and its line end; an obsolete folded line continues the value before it), at
+    most MAX_HEADERS lines of at most MAX_HEADER_LINE_BYTES. Raises BadHeaders for anything else."""
+    items: list[tuple[str, str]] = []
+    while True:
+        raw = rfile.readline(MAX_HEADER_LINE_BYTES + 1)
+        if len(raw) > MAX_HEADER_LINE_BYTES:
+            raise BadHeaders(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Line too long")
+        if raw in (b"\r\n", b"\n", b""):
+            return Headers(items)
+        if len(items) >= MAX_HEADERS:
+            raise BadHeaders(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Too many headers")
+        line = raw.decode("iso-8859-1")
+        if line[0] in " \t":
+            if not items:
+                raise BadHeaders(HTTPStatus.BAD_REQUEST, "Bad header: a continuation line without a header")
+            name, value = items[-1]
+            items[-1] = (name, value + " " + line.strip(" \t\r\n"))
+            continue
+        name, colon, value = line.partition(":")
+        if not colon or _HEADER_NAME.fullmatch(name) is None:
+            raise BadHeaders(HTTPStatus.BAD_REQUEST, "Bad header line")
+        items.append((name, value.lstrip(" \t").rstrip("\r\n")))
 
 
 @dataclass(frozen=True)
@@ -62,6 +128,55 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         log.debug("%s " + format, self.address_string(), *args)
+
+    def parse_request(self) -> bool:
+        """http.server's rules, with the header block read by read_headers() instead of the email
+        package: the request line (HTTP/1.0 or 1.1; HTTP/0.9 GET only), keep-alive by default on
+        HTTP/1.1 and Connection to say otherwise, Expect: 100-continue. False after answering an error."""
+        self.command = None
+        self.request_version = self.default_request_version
+        self.close_connection = True
+        self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+        words = self.requestline.split()
+        if not words:
+            return False
+        if len(words) >= 3:
+            version = words[-1]
+            number = version[5:].split(".") if version.startswith("HTTP/") else []
+            if len(number) != 2 or not all(n.isdigit() and len(n) <= 10 for n in number):
+                self.send_error(HTTPStatus.BAD_REQUEST, f"Bad request version ({version!r})")
+                return False
+            if (int(number[0]), int(number[1])) >= (2, 0):
+                self.send_error(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, f"Invalid HTTP version ({version[5:]})")
+                return False
+            if (int(number[0]), int(number[1])) >= (1, 1) and self.protocol_version >= "HTTP/1.1":
+                self.close_connection = False
+            self.request_version = version
+        if not 2 <= len(words) <= 3:
+            self.send_error(HTTPStatus.BAD_REQUEST, f"Bad request syntax ({self.requestline!r})")
+            return False
+        self.command, self.path = words[:2]
+        if len(words) == 2:
+            self.close_connection = True
+            if self.command != "GET":
+                self.send_error(HTTPStatus.BAD_REQUEST, f"Bad HTTP/0.9 request type ({self.command!r})")
+                return False
+        if self.path.startswith("//"):  # gh-87389: never an absolute URI without its scheme
+            self.path = "/" + self.path.lstrip("/")
+        try:
+            self.headers = read_headers(self.rfile)
+        except BadHeaders as e:
+            self.send_error(e.status, str(e))
+            return False
+        conntype = (self.headers.get("Connection") or "").lower()
+        if conntype == "close":
+            self.close_connection = True
+        elif conntype == "keep-alive" and self.protocol_version >= "HTTP/1.1":
+            self.close_connection = False
+        expect = (self.headers.get("Expect") or "").lower()
+        if expect == "100-continue" and self.protocol_version >= "HTTP/1.1" and self.request_version >= "HTTP/1.1":
+            return self.handle_expect_100()
+        return True
 
     def _read_body(self) -> bytes | None:
         """The request body, or None after answering 413/400 for it."""
