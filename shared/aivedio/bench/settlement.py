@@ -58,8 +58,9 @@ insert into generation_charge (task_id, tenant_id, price_version_id, normalized_
                                charge_policy_code)
 select task_id, %(tenant)s, %(pv)s, %(params)s::jsonb, %(price)s, %(price)s, 'USAGE_BASED' from bench_task;
 
-insert into ledger_transaction (ledger_txn_id, tenant_id, wallet_id, business_key, event_type, task_id, reservation_id)
-select txn_id, %(tenant)s, %(wallet)s, 'reserve:generation:' || task_id || ':v1', 'RESERVE', task_id, reservation_id from bench_task;
+insert into ledger_transaction (ledger_txn_id, tenant_id, wallet_id, unit_code, business_key, event_type, task_id, reservation_id)
+select txn_id, %(tenant)s, %(wallet)s, 'CREDIT', 'reserve:generation:' || task_id || ':v1', 'RESERVE', task_id, reservation_id
+  from bench_task;
 
 insert into ledger_entry (ledger_txn_id, tenant_id, wallet_id, lot_id, bucket, amount_delta, unit_code)
 select txn_id, %(tenant)s, %(wallet)s, %(lot)s, b.bucket, b.delta, 'CREDIT'

@@ -78,12 +78,13 @@ def post(
         raise UnbalancedTransaction(f"{event_type} {business_key}: entries sum to {sum(e.amount_delta for e in entries)}")
     row = conn.execute(
         """insert into ledger_transaction
-               (wallet_id, tenant_id, business_key, event_type, task_id, reservation_id, reversal_of, reason_code, metadata)
-           values (%s, %s, %s, %s, %s, %s, %s, %s, %s)
+               (wallet_id, tenant_id, unit_code, business_key, event_type, task_id, reservation_id, reversal_of, reason_code,
+                metadata)
+           values (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
            on conflict (wallet_id, business_key) do nothing
            returning ledger_txn_id""",
-        (wallet["wallet_id"], wallet["tenant_id"], business_key, event_type, task_id, reservation_id, reversal_of,
-         reason_code, json.dumps(metadata or {})),
+        (wallet["wallet_id"], wallet["tenant_id"], wallet["unit_code"], business_key, event_type, task_id, reservation_id,
+         reversal_of, reason_code, json.dumps(metadata or {})),
     ).fetchone()
     if row is None:
         existing = find_transaction(conn, wallet["wallet_id"], business_key)
@@ -133,11 +134,11 @@ class Posting:
 # their header through a deferred foreign key, checked at commit with the balance trigger).
 APPEND = """
 with txn as (
-    insert into ledger_transaction (ledger_txn_id, wallet_id, tenant_id, business_key, event_type, task_id, reservation_id,
-                                    reversal_of, reason_code, metadata)
-    select * from unnest(%(ids)s::uuid[], %(wallets)s::uuid[], %(tenants)s::uuid[], %(keys)s::text[], %(types)s::text[],
-                         %(tasks)s::uuid[], %(reservations)s::uuid[], %(reversals)s::uuid[], %(reasons)s::text[],
-                         %(metadata)s::jsonb[])),
+    insert into ledger_transaction (ledger_txn_id, wallet_id, tenant_id, unit_code, business_key, event_type, task_id,
+                                    reservation_id, reversal_of, reason_code, metadata)
+    select * from unnest(%(ids)s::uuid[], %(wallets)s::uuid[], %(tenants)s::uuid[], %(h_units)s::text[], %(keys)s::text[],
+                         %(types)s::text[], %(tasks)s::uuid[], %(reservations)s::uuid[], %(reversals)s::uuid[],
+                         %(reasons)s::text[], %(metadata)s::jsonb[])),
 entries as (
     insert into ledger_entry (ledger_txn_id, wallet_id, tenant_id, lot_id, bucket, amount_delta, unit_code)
     select * from unnest(%(txns)s::uuid[], %(e_wallets)s::uuid[], %(e_tenants)s::uuid[], %(lots)s::uuid[], %(buckets)s::text[],
@@ -161,7 +162,7 @@ def append(conn: psycopg.Connection, *, wallet: dict | None = None, postings: It
     rolls back. Everyone else uses post(), which returns the existing transaction."""
     groups = [(wallet, list(postings))] if wallet is not None else []
     groups += [(w, list(ps)) for w, ps in by_wallet]
-    cols: dict[str, list] = {k: [] for k in ("ids", "wallets", "tenants", "keys", "types", "tasks", "reservations", "reversals",
+    cols: dict[str, list] = {k: [] for k in ("ids", "wallets", "tenants", "h_units", "keys", "types", "tasks", "reservations", "reversals",
                                              "reasons", "metadata", "txns", "e_wallets", "e_tenants", "lots", "buckets",
                                              "amounts", "units")}
     deltas: dict[UUID, dict[str, int]] = {}
@@ -177,7 +178,8 @@ def append(conn: psycopg.Connection, *, wallet: dict | None = None, postings: It
             wid = w["wallet_id"]
             wallets[wid] = w
             d = deltas.setdefault(wid, {col: 0 for col in SNAPSHOT_COLUMNS.values()})
-            for k, v in (("ids", p.ledger_txn_id), ("wallets", wid), ("tenants", w["tenant_id"]), ("keys", p.business_key),
+            for k, v in (("ids", p.ledger_txn_id), ("wallets", wid), ("tenants", w["tenant_id"]), ("h_units", w["unit_code"]),
+                         ("keys", p.business_key),
                          ("types", p.event_type), ("tasks", p.task_id), ("reservations", p.reservation_id),
                          ("reversals", p.reversal_of), ("reasons", p.reason_code), ("metadata", json.dumps(p.metadata or {}))):
                 cols[k].append(v)
