@@ -76,6 +76,12 @@ select provider_account, count(*)::int as n from task_attempt
  where state in ('DISPATCHING', 'SUBMITTED', 'RUNNING', 'SUBMIT_UNKNOWN') group by provider_account"""
 OPEN_TASKS_SQL = """
 select count(*)::int as n from generation_task where state not in ('SUCCEEDED', 'FAILED', 'CANCELLED', 'MANUAL_REVIEW')"""
+# Ended tasks whose charge is not finalized yet: their terminal event is still on its way through
+# the relay and settlement (a dispatcher restarted after a crash takes a few seconds).
+UNSETTLED_TASKS_SQL = """
+select count(*)::int as n from generation_task t join generation_charge c using (task_id)
+ where t.state in ('SUCCEEDED', 'FAILED', 'CANCELLED') and c.finalized_at is null"""
+SETTLEMENT_GRACE_S = 10.0
 
 
 def platform_config(sim_url: str, behaviour: dict[str, Any], timers: dict[str, float] | None = None) -> PlatformConfig:
@@ -445,17 +451,33 @@ def _make_tenants(platform, plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _settle(db_url: str, bound_s: float) -> float | None:
-    """Seconds until no task is open (terminal or MANUAL_REVIEW), or None past the bound."""
+    """Seconds until no task is open (terminal or MANUAL_REVIEW), or None past the bound; then up to
+    SETTLEMENT_GRACE_S more for the tasks that ended last to be settled, so the checkers read a task
+    that ended a moment ago as settled rather than never settled (a settlement that never comes is
+    still theirs to find: the grace only waits)."""
     t0 = time.monotonic()
+    settled = None
     while time.monotonic() - t0 <= bound_s:
         try:
             with psycopg.connect(db_url, autocommit=True, row_factory=dict_row) as c:
                 if c.execute(OPEN_TASKS_SQL).fetchone()["n"] == 0 and not c.execute(LIVE_ATTEMPTS_SQL).fetchall():
-                    return time.monotonic() - t0
+                    settled = time.monotonic() - t0
+                    break
         except psycopg.Error:
             pass
         time.sleep(0.5)
-    return None
+    if settled is None:
+        return None
+    grace_until = time.monotonic() + SETTLEMENT_GRACE_S
+    while time.monotonic() < grace_until:
+        try:
+            with psycopg.connect(db_url, autocommit=True, row_factory=dict_row) as c:
+                if c.execute(UNSETTLED_TASKS_SQL).fetchone()["n"] == 0:
+                    break
+        except psycopg.Error:
+            pass
+        time.sleep(0.25)
+    return settled
 
 
 def run(seed: int, duration: float, out_dir: Path, *, admin_url: str, target: str | None = None,
