@@ -418,6 +418,9 @@ DECLARE
     v_need bigint;
     v_part_amount bigint;
     v_have bigint;
+    v_slot_lots uuid[];
+    v_slot_amounts bigint[];
+    i integer;
     v_lot record;
     v_lots uuid[] := '{}';
     v_parts bigint[] := '{}';
@@ -445,9 +448,15 @@ BEGIN
        AND (a.account_type = 'POSTPAID' OR NOT EXISTS (SELECT 1 FROM wallet_partitioning p WHERE p.wallet_id = a.wallet_id))
        FOR NO KEY UPDATE OF a;
     IF NOT FOUND THEN  -- no wallet, or a partitioned one
-        SELECT * INTO w FROM wallet_account WHERE tenant_id = p_tenant ORDER BY wallet_id LIMIT 1;
+        SELECT a.wallet_id, a.account_type, a.frozen, a.freeze_reason, a.available_amount, a.reserved_amount,
+               a.credit_limit_amount, a.unit_code, p.wallet_id, p.slots, p.chunk_amount, p.fast_max_units,
+               p.fast_max_cost_units
+          INTO w.wallet_id, w.account_type, w.frozen, w.freeze_reason, w.available_amount, w.reserved_amount,
+               w.credit_limit_amount, w.unit_code, v_part.wallet_id, v_part.slots, v_part.chunk_amount,
+               v_part.fast_max_units, v_part.fast_max_cost_units
+          FROM wallet_account a LEFT JOIN wallet_partitioning p USING (wallet_id)
+         WHERE a.tenant_id = p_tenant ORDER BY a.wallet_id LIMIT 1;
         IF w.wallet_id IS NOT NULL THEN
-            SELECT * INTO v_part FROM wallet_partitioning WHERE wallet_id = w.wallet_id;
             IF v_part.wallet_id IS NULL OR w.account_type = 'POSTPAID' THEN
                 -- Unpartitioned since the first read: locked as it is now.
                 SELECT * INTO w FROM wallet_account WHERE wallet_id = w.wallet_id FOR NO KEY UPDATE;
@@ -455,18 +464,29 @@ BEGIN
                 v_slot := (hashtext(p_user::text)::bigint & 2147483647) % v_part.slots;
                 v_slots := v_part.slots;
                 path := 'MERGED';
+                -- The slot path: the slot's rows locked, in lot order, and what they hold read by the
+                -- same statement (its lots in spending order, for the draw). A slot short of the task
+                -- answers SLOT_SHORT, and the caller asks again for the merged path, which refills it.
                 -- (A free task takes the merged path: a slot admission must hold its slot's rows, which
                 -- bounds how many are in flight, and a slot that holds nothing has none.)
                 IF NOT p_merged AND NOT w.frozen AND p_amount > 0 AND p_units <= v_part.fast_max_units
-                   AND p_cost_units <= v_part.fast_max_cost_units
-                   AND (SELECT coalesce(sum(a.amount), 0) FROM wallet_allowance a JOIN credit_lot l USING (lot_id)
-                         WHERE a.wallet_id = w.wallet_id AND a.slot = v_slot
-                           AND (l.expires_at IS NULL OR l.expires_at > p_now)) >= p_amount THEN
+                   AND p_cost_units <= v_part.fast_max_cost_units THEN
+                    SELECT coalesce(sum(a.amount) FILTER (WHERE l.expires_at IS NULL OR l.expires_at > p_now), 0),
+                           coalesce(array_agg(a.lot_id ORDER BY l.expires_at ASC NULLS LAST, l.priority ASC, l.created_at ASC,
+                                                            a.lot_id)
+                                        FILTER (WHERE a.amount > 0 AND (l.expires_at IS NULL OR l.expires_at > p_now)), '{}'),
+                           coalesce(array_agg(a.amount ORDER BY l.expires_at ASC NULLS LAST, l.priority ASC, l.created_at ASC,
+                                                            a.lot_id)
+                                        FILTER (WHERE a.amount > 0 AND (l.expires_at IS NULL OR l.expires_at > p_now)), '{}')
+                      INTO v_have, v_slot_lots, v_slot_amounts
+                      FROM (SELECT s.lot_id, s.amount FROM wallet_allowance s
+                             WHERE s.wallet_id = w.wallet_id AND s.slot = v_slot ORDER BY s.lot_id FOR UPDATE) a
+                      JOIN credit_lot l USING (lot_id);
+                    IF v_have < p_amount THEN
+                        status := 'SLOT_SHORT';
+                        RETURN;
+                    END IF;
                     path := 'SLOT';
-                END IF;
-                IF path = 'SLOT' THEN
-                    PERFORM 1 FROM wallet_allowance a WHERE a.wallet_id = w.wallet_id AND a.slot = v_slot
-                      ORDER BY a.lot_id FOR UPDATE;
                 ELSE
                     PERFORM 1 FROM wallet_allowance a WHERE a.wallet_id = w.wallet_id ORDER BY a.slot, a.lot_id FOR UPDATE;
                     SELECT * INTO w FROM wallet_account WHERE wallet_id = w.wallet_id FOR NO KEY UPDATE;
@@ -606,15 +626,7 @@ BEGIN
                     EXIT checks;
                 END IF;
             END IF;
-        ELSIF p_amount > 0 AND path = 'SLOT' THEN
-            -- What the slot held when it was looked at may have been spent meanwhile.
-            IF (SELECT coalesce(sum(a.amount), 0) FROM wallet_allowance a JOIN credit_lot l USING (lot_id)
-                 WHERE a.wallet_id = w.wallet_id AND a.slot = v_slot
-                   AND (l.expires_at IS NULL OR l.expires_at > p_now)) < p_amount THEN
-                status := 'SLOT_SHORT';
-                EXIT checks;
-            END IF;
-        ELSIF p_amount > 0 THEN
+        ELSIF p_amount > 0 AND path = 'MERGED' THEN
             -- The merged path. Refill the slot: from the wallet's lots (a chunk, at least what is
             -- missing), then from the other slots' allowances. Everything is locked; nothing is written yet.
             SELECT coalesce(sum(a.amount), 0) INTO v_have
@@ -743,20 +755,26 @@ BEGIN
         END IF;
     END IF;
     IF path <> 'WALLET' AND p_amount > 0 THEN
-        -- Draw the task's credit from the slot's allowance, lots in spending order.
+        -- Draw the task's credit from the slot's allowance, lots in spending order: on the slot path
+        -- as its locking read found them, on the merged path as its refill left them.
+        IF path = 'MERGED' THEN
+            SELECT coalesce(array_agg(a.lot_id ORDER BY l.expires_at ASC NULLS LAST, l.priority ASC, l.created_at ASC, a.lot_id), '{}'),
+                   coalesce(array_agg(a.amount ORDER BY l.expires_at ASC NULLS LAST, l.priority ASC, l.created_at ASC, a.lot_id), '{}')
+              INTO v_slot_lots, v_slot_amounts
+              FROM wallet_allowance a JOIN credit_lot l USING (lot_id)
+             WHERE a.wallet_id = w.wallet_id AND a.slot = v_slot AND a.amount > 0
+               AND (l.expires_at IS NULL OR l.expires_at > p_now);
+        END IF;
         v_need := p_amount;
-        FOR v_lot IN SELECT a.lot_id, a.amount FROM wallet_allowance a JOIN credit_lot l USING (lot_id)
-                      WHERE a.wallet_id = w.wallet_id AND a.slot = v_slot AND a.amount > 0
-                        AND (l.expires_at IS NULL OR l.expires_at > p_now)
-                      ORDER BY l.expires_at ASC NULLS LAST, l.priority ASC, l.created_at ASC, a.lot_id LOOP
+        FOR i IN 1 .. cardinality(v_slot_lots) LOOP
             EXIT WHEN v_need = 0;
-            v_part_amount := least(v_need, v_lot.amount);
-            v_lots := v_lots || v_lot.lot_id;
+            v_part_amount := least(v_need, v_slot_amounts[i]);
+            v_lots := v_lots || v_slot_lots[i];
             v_parts := v_parts || v_part_amount;
             v_need := v_need - v_part_amount;
         END LOOP;
         IF v_need > 0 THEN
-            -- The slot looked able to pay and is not (a refill ran between the look and the lock).
+            -- The merged path's refill left the slot short (it refilled what was missing: a bug).
             RAISE EXCEPTION 'aivedio_slot_short' USING ERRCODE = 'P0001', DETAIL = 'the slot''s allowance is short';
         END IF;
         UPDATE wallet_allowance a SET amount = a.amount - u.part
