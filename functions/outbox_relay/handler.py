@@ -23,14 +23,14 @@ from aivedio import events_routing
 from aivedio.context import get_platform
 from aivedio.metrics_catalog import OUTBOX_BACKLOG
 from aivedio.observability import due, logger, publish
-from aivedio.outbox import Deliver, backlog, relay_once
+from aivedio.outbox import RELAY_HOT_POLL_SECONDS, RELAY_HOT_SECONDS, Deliver, backlog, relay_once
 from aivedio.wakeups import ContinuousRun
 
 BATCH = 100
 BACKLOG_EVERY_SECONDS = 60.0  # the backlog gauge costs a count: once a minute per process
 RESERVE_MILLIS = 5_000  # stop starting batches this close to the timeout, so none is cut short
-HOT_SECONDS = 0.5  # after a pass that published, poll every HOT_POLL_SECONDS this long (real seconds)
-HOT_POLL_SECONDS = 0.02
+HOT_SECONDS = RELAY_HOT_SECONDS  # after a pass that published, poll every HOT_POLL_SECONDS this long (real seconds)
+HOT_POLL_SECONDS = RELAY_HOT_POLL_SECONDS  # writers count on it: they wake the relay at most this often
 
 
 @cache

@@ -195,3 +195,27 @@ def test_locally_the_handlers_make_one_pass_a_run(aws_platform, monkeypatch):
     assert tick.lambda_handler({}, context(tick.RESERVE_MILLIS, 60))["claims"] == 2
     assert relay.lambda_handler({}, context(relay.RESERVE_MILLIS, 60)) == {"published": 0}
     assert len(sched.ticks) == 1 and time.monotonic() - t0 < 2.0
+
+
+def test_a_process_wakes_the_relay_at_most_once_per_hot_poll(platform):
+    """Writers right after one that woke the relay do not wake it again: it polls every
+    RELAY_HOT_POLL_SECONDS after a pass that published, so their events go out as soon."""
+    woken: list[float] = []
+
+    class Counting:
+        def set(self) -> None:
+            woken.append(time.monotonic())
+
+    platform.extras["wake"] = {RELAY: Counting()}
+    platform.extras.pop("relay_woken_at", None)
+    try:
+        for i in range(5):
+            with outbox.waking_relay():
+                write(platform, f"test.burst.{i}")
+        assert len(woken) == 1
+        time.sleep(outbox.RELAY_HOT_POLL_SECONDS * 1.5)
+        with outbox.waking_relay():
+            write(platform, "test.after")
+        assert len(woken) == 2 and woken[1] - woken[0] >= outbox.RELAY_HOT_POLL_SECONDS
+    finally:
+        platform.extras.pop("wake")
