@@ -27,6 +27,7 @@
 --    idempotency record, the queue usage and the cost windows are read in one statement, and the
 --    task, reservation, allocations, ledger transaction and entries, lots, wallet snapshot, charge,
 --    cost windows and outbox row are written by one.
+-- 6. The tenant's queue counts come from 16 rows per lane (tenant_queue_usage), not a row per user.
 
 -- 1. Single-column checks as domains. The queue usage triggers name columns retyped here: dropped
 -- first, then made again as 0190 made them.
@@ -373,6 +374,64 @@ LANGUAGE sql IMMUTABLE AS $$
            END
 $$;
 
+-- 6. A tenant's queue counts in a bounded number of rows (many users behind one tenant). The checks
+-- read the tenant's queued tasks and units as the sum of task_queue_usage (0190), a row per user and
+-- lane: a tenant of two thousand users summed two thousand rows on every admission, under the
+-- wallet's lock. The user's own limits need the user's rows only; the tenant's limits now read
+-- tenant_queue_usage, the same counts per lane in 16 rows (a user's tasks count in the shard its id
+-- hashes to), kept by the same trigger in the same transaction, so both stay exact. Shards, not one
+-- row per tenant and lane: a partitioned wallet's admissions run side by side (0195's slots), and one
+-- row that each of them updated would make them wait for each other's commits again.
+-- (No task changes state while the counts are copied and the trigger switched: section 1's ALTER
+-- holds generation_task's lock until commit.)
+
+CREATE TABLE tenant_queue_usage (
+    tenant_id    uuid     NOT NULL,
+    queue_class  text     NOT NULL,
+    shard        smallint NOT NULL CHECK (shard >= 0),
+    queued_tasks bigint   NOT NULL DEFAULT 0,
+    queued_units bigint   NOT NULL DEFAULT 0,
+    PRIMARY KEY (tenant_id, queue_class, shard)
+);
+
+-- The shard of a user's tasks: 16 of them (a constant: changing it moves every row).
+CREATE FUNCTION aivedio_queue_shard(p_user uuid) RETURNS smallint
+LANGUAGE sql IMMUTABLE AS $$ SELECT (hashtext(p_user::text) & 15)::smallint $$;
+
+INSERT INTO tenant_queue_usage (tenant_id, queue_class, shard, queued_tasks, queued_units)
+SELECT tenant_id, queue_class, aivedio_queue_shard(user_id), sum(queued_tasks), sum(queued_units)
+  FROM task_queue_usage GROUP BY 1, 2, 3;
+
+-- 0190's trigger function, moving both counts in one statement per side of the change.
+CREATE OR REPLACE FUNCTION aivedio_task_queue_usage() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP <> 'INSERT' AND OLD.state = 'QUEUED' THEN
+        WITH per_user AS (
+            INSERT INTO task_queue_usage AS u (tenant_id, user_id, queue_class, queued_tasks, queued_units)
+            VALUES (OLD.tenant_id, OLD.user_id, OLD.queue_class, -1, -OLD.fairness_units)
+            ON CONFLICT (tenant_id, user_id, queue_class) DO UPDATE
+               SET queued_tasks = u.queued_tasks - 1, queued_units = u.queued_units - OLD.fairness_units)
+        INSERT INTO tenant_queue_usage AS s (tenant_id, queue_class, shard, queued_tasks, queued_units)
+        VALUES (OLD.tenant_id, OLD.queue_class, aivedio_queue_shard(OLD.user_id), -1, -OLD.fairness_units)
+        ON CONFLICT (tenant_id, queue_class, shard) DO UPDATE
+           SET queued_tasks = s.queued_tasks - 1, queued_units = s.queued_units - OLD.fairness_units;
+    END IF;
+    IF TG_OP <> 'DELETE' AND NEW.state = 'QUEUED' THEN
+        WITH per_user AS (
+            INSERT INTO task_queue_usage AS u (tenant_id, user_id, queue_class, queued_tasks, queued_units)
+            VALUES (NEW.tenant_id, NEW.user_id, NEW.queue_class, 1, NEW.fairness_units)
+            ON CONFLICT (tenant_id, user_id, queue_class) DO UPDATE
+               SET queued_tasks = u.queued_tasks + 1, queued_units = u.queued_units + NEW.fairness_units)
+        INSERT INTO tenant_queue_usage AS s (tenant_id, queue_class, shard, queued_tasks, queued_units)
+        VALUES (NEW.tenant_id, NEW.queue_class, aivedio_queue_shard(NEW.user_id), 1, NEW.fairness_units)
+        ON CONFLICT (tenant_id, queue_class, shard) DO UPDATE
+           SET queued_tasks = s.queued_tasks + 1, queued_units = s.queued_units + NEW.fairness_units;
+    END IF;
+    RETURN NULL;
+END;
+$$;
+
 -- 5. 0195's function, in fewer statements. The same parameters, answers, checks, locks and writes.
 DROP FUNCTION aivedio_admit;
 CREATE FUNCTION aivedio_admit(
@@ -513,14 +572,14 @@ BEGIN
         END IF;
     END IF;
     SELECT r.tenant_id IS NOT NULL, r.status, r.expires_at, r.locked_until, r.request_hash, r.response_status,
-           r.response_body, u.user_tasks, u.user_units, u.tasks, u.units, u.lane_units, c.minute, c.day
+           r.response_body, u.user_tasks, u.user_units, t.tasks, t.units, t.lane_units, c.minute, c.day
       INTO v_rec_found, v_rec.status, v_rec.expires_at, v_rec.locked_until, v_rec.request_hash, v_rec.response_status,
            v_rec.response_body, v_user_tasks, v_user_units, v_tasks, v_units, v_lane_units, v_spent_minute, v_spent_day
-      FROM (SELECT coalesce(sum(q.queued_tasks) FILTER (WHERE q.user_id = p_user), 0) AS user_tasks,
-                   coalesce(sum(q.queued_units) FILTER (WHERE q.user_id = p_user), 0) AS user_units,
-                   coalesce(sum(q.queued_tasks), 0) AS tasks, coalesce(sum(q.queued_units), 0) AS units,
-                   coalesce(sum(q.queued_units) FILTER (WHERE q.queue_class = p_queue_class), 0) AS lane_units
-              FROM task_queue_usage q WHERE q.tenant_id = p_tenant) u
+      FROM (SELECT coalesce(sum(q.queued_tasks), 0) AS user_tasks, coalesce(sum(q.queued_units), 0) AS user_units
+              FROM task_queue_usage q WHERE q.tenant_id = p_tenant AND q.user_id = p_user) u
+     CROSS JOIN (SELECT coalesce(sum(g.queued_tasks), 0) AS tasks, coalesce(sum(g.queued_units), 0) AS units,
+                        coalesce(sum(g.queued_units) FILTER (WHERE g.queue_class = p_queue_class), 0) AS lane_units
+                   FROM tenant_queue_usage g WHERE g.tenant_id = p_tenant) t
      CROSS JOIN (SELECT coalesce(sum(k.cost_units) FILTER (WHERE k.window_kind = 'MINUTE'), 0) AS minute,
                         coalesce(sum(k.cost_units) FILTER (WHERE k.window_kind = 'DAY'), 0) AS day
                    FROM tenant_cost_window k
