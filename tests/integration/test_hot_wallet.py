@@ -7,7 +7,9 @@ admissions spend allowances carved for their slots, over the real PostgreSQL and
 - a tenant's queue limit stays exact with many slots admitting at once;
 - a task admitted through a slot is cancelled like any other, back to its lot;
 - an allowance of an expired lot is not spent, and goes back to the lot for the expiry sweep;
-- unpartitioning gives every allowance back."""
+- unpartitioning gives every allowance back;
+- a POSTPAID wallet (no credit lots) partitions too: its slots spend its credit line, exactly within
+  the credit limit under concurrent processes, and within the period's contract budget."""
 from __future__ import annotations
 
 import json
@@ -49,12 +51,13 @@ def partitioned(platform, conn, finance, *, credits: int, users: int, slots: int
 
 
 def assert_consistent(conn, wallet_id) -> dict:
-    """Snapshot = ledger; the wallet check (reservations + allowances, lots) finds nothing."""
+    """Snapshot = ledger; the wallet check (reservations + allowances, lots) finds nothing; the
+    balance within its floor (zero, or minus a POSTPAID wallet's credit limit)."""
     w = conn.execute("select * from wallet_account where wallet_id = %s", (wallet_id,)).fetchone()
     agg = ledger_aggregate(conn, wallet_id)
     assert (w["available_amount"], w["reserved_amount"], w["consumed_amount"]) == (
         agg.get("AVAILABLE", 0), agg.get("RESERVED", 0), agg.get("CONSUMED", 0)), (dict(w), agg)
-    assert w["available_amount"] >= 0
+    assert w["available_amount"] >= (-w["credit_limit_amount"] if w["account_type"] == "POSTPAID" else 0)
     with conn.transaction():
         assert wallet_checks.findings(conn, wallet_checks._lock(conn, wallet_id)) == []
     return w
@@ -275,3 +278,64 @@ def test_an_operator_partitions_a_wallet_from_the_cli_as_typed(platform, finance
     actions = [r["action"] for r in platform.db.fetchall(
         "select action from audit_log where target = %s order by audit_id", (f"wallet:{t.wallet_id}",))]
     assert actions == ["wallet.partition", "wallet.unpartition"]
+
+
+# --- POSTPAID: the credit line, in slots --------------------------------------------------------------------
+
+def test_a_postpaid_wallets_slots_spend_exactly_its_credit_limit(platform, conn, finance, db_url, redis_url, redis_prefix):
+    k = 17
+    t = new_tenant(platform, account_type="POSTPAID", credits=k * PRICE)  # a credit limit of k tasks, no lots
+    members = [t] + [second_user(platform, t) for _ in range(9)]
+    platform.db.transaction(lambda c: allowances.partition(c, operator=finance, tenant_id=t.tenant_id, slots=4,
+                                                           chunk_amount=3 * PRICE))
+    with Watch(platform, t.wallet_id) as watch:
+        results = storm(db_url, redis_url, redis_prefix, members, processes=3, tries=18, tag="pp")
+    by_status = Counter(r[0] for r in results)
+    assert by_status[202] == k and set(by_status) == {202, 402}, by_status
+    assert watch.samples > 0 and watch.lowest >= -k * PRICE and watch.lowest_allowance >= 0
+    rows = conn.execute("""select r.reserved_amount, (select count(*) from reservation_allocation a
+                                                        where a.reservation_id = r.reservation_id) as allocations
+                             from credit_reservation r where r.tenant_id = %s""", (t.tenant_id,)).fetchall()
+    assert len(rows) == k and all((r["reserved_amount"], r["allocations"]) == (PRICE, 0) for r in rows), rows
+    reasons = Counter(r["reason_code"] for r in conn.execute(
+        "select reason_code from ledger_transaction where wallet_id = %s and event_type = 'RESERVE'", (t.wallet_id,)).fetchall())
+    assert reasons["FROM_ALLOWANCE"] == k and reasons["ALLOWANCE"] >= 1, reasons
+    assert conn.execute("select count(*) as n from wallet_allowance where wallet_id = %s and lot_id is not null",
+                        (t.wallet_id,)).fetchone()["n"] == 0  # allowances of no lot: the wallet has none
+    assert_consistent(conn, t.wallet_id)
+
+    assert allowance_return.run_once(platform).complete
+    assert allowances.held(conn, t.wallet_id) == 0
+    w = assert_consistent(conn, t.wallet_id)
+    assert (w["available_amount"], w["reserved_amount"]) == (-k * PRICE, k * PRICE)  # the whole line is the tasks'
+
+
+def test_a_postpaid_wallets_slots_are_held_to_the_contract_budget(platform, conn, finance):
+    from aivedio.billing.contract_budgets import set_contract_budget
+
+    t = new_tenant(platform, account_type="POSTPAID", credits=100 * PRICE)
+    members = [t] + [second_user(platform, t) for _ in range(3)]
+    now = platform.clock.now()
+    platform.db.transaction(lambda c: set_contract_budget(c, operator=finance, tenant_id=t.tenant_id,
+                                                          period_start=now - timedelta(days=1),
+                                                          period_end=now + timedelta(days=1), budget_amount=5 * PRICE))
+    platform.db.transaction(lambda c: allowances.partition(c, operator=finance, tenant_id=t.tenant_id, slots=2,
+                                                           chunk_amount=4 * PRICE))
+    req = GenerationRequest(**BODY)
+    outcomes = []
+    for i in range(8):
+        m = members[i % len(members)]
+        try:
+            outcomes.append(admit(platform, m.caller, req, BODY, f"b{i}").status)
+        except Rejected as r:
+            outcomes.append((r.decision, r.message))
+    assert outcomes[:5] == [202] * 5, outcomes
+    assert all(o[0] == "REJECT_INSUFFICIENT_CREDIT" and "contract budget" in o[1] for o in outcomes[5:]), outcomes
+    reasons = Counter(r["reason_code"] for r in conn.execute(
+        "select reason_code from ledger_transaction where wallet_id = %s and event_type = 'RESERVE'", (t.wallet_id,)).fetchall())
+    assert reasons["FROM_ALLOWANCE"] == 5, reasons  # through the slots
+    w = assert_consistent(conn, t.wallet_id)
+    assert w["reserved_amount"] == 5 * PRICE  # the tasks' and the slots' credit together: the budget, not past it
+    allowance_return.run_once(platform)
+    w = assert_consistent(conn, t.wallet_id)
+    assert (w["available_amount"], w["reserved_amount"]) == (-5 * PRICE, 5 * PRICE)

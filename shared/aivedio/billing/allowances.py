@@ -3,8 +3,10 @@ reserved for admission slots, so the admissions of a tenant whose many users sha
 not all lock that one row.
 
 - partition(): an operator gives a wallet `slots` slots (a user always admits through the slot its
-  id hashes to) and the chunk a refill carves for a slot. Only a wallet with credit lots (PREPAID,
-  SUBSCRIPTION) can be partitioned: the allowance is held per lot.
+  id hashes to) and the chunk a refill carves for a slot. A wallet with credit lots (PREPAID,
+  SUBSCRIPTION) holds its allowances per lot; a POSTPAID wallet, which has none, holds them as
+  allowances of no lot (lot_id null), carved from its credit line within its credit limit and the
+  period's contract budget (migration 0230).
 - the admission (aivedio_admit) carves and spends the allowances; see the migration.
 - return_all(): every allowance of a wallet back to it, a RELEASE per wallet (RESERVED ->
   AVAILABLE of the very lots), under the lock order of everything that locks both: the allowance
@@ -63,7 +65,7 @@ def return_all(conn: psycopg.Connection, wallet_id: UUID) -> int:
     """Give every allowance of the wallet back (one RELEASE); returns the amount. The caller's
     transaction; the allowance rows are locked here, then the wallet."""
     rows = lock_allowances(conn, wallet_id)
-    per_lot: dict[UUID, int] = {}
+    per_lot: dict[UUID | None, int] = {}  # None: a POSTPAID wallet's allowance, of no lot
     for r in rows:
         if r["amount"]:
             per_lot[r["lot_id"]] = per_lot.get(r["lot_id"], 0) + r["amount"]
@@ -72,7 +74,7 @@ def return_all(conn: psycopg.Connection, wallet_id: UUID) -> int:
         wallet = conn.execute(LOCK_WALLET_NO_KEY, (wallet_id,)).fetchone()
         if total:
             entries = []
-            for lot_id, n in sorted(per_lot.items()):
+            for lot_id, n in sorted(per_lot.items(), key=lambda kv: (kv[0] is None, str(kv[0]))):
                 entries += [Entry("RESERVED", -n, lot_id), Entry("AVAILABLE", n, lot_id)]
             post(conn, wallet=wallet, business_key=f"allowance:return:{uuid.uuid4()}", event_type="RELEASE", entries=entries,
                  reason_code=RETURN_REASON, metadata={"slots": sorted({r["slot"] for r in rows if r["amount"]})})
@@ -99,8 +101,6 @@ def partition(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, slots
                      (tenant_id,)).fetchone()
     if w is None:
         raise NotFound(f"tenant {tenant_id} has no wallet")
-    if w["account_type"] == "POSTPAID":
-        raise InvalidRequest("a POSTPAID wallet cannot be partitioned", {"tenant_id": "its wallet has no credit lots"})
     returned = return_all(conn, w["wallet_id"])
     old = conn.execute("select slots, chunk_amount from wallet_partitioning where wallet_id = %s", (w["wallet_id"],)).fetchone()
     conn.execute(

@@ -21,13 +21,14 @@
 -- 3. A reservation's allocations name their reservation and tenant in one foreign key, (tenant_id,
 --    reservation_id): one check instead of two, and the tenant is now the reservation's.
 -- 4. aivedio_expected_wait is plain SQL, which the planner inlines into the caller's expression.
--- 5. aivedio_admit makes the same checks and writes in fewer statements, by key (index scans), with
+-- 5. The tenant's queue counts come from 16 rows per lane (tenant_queue_usage), not a row per user.
+-- 6. A POSTPAID wallet can be partitioned (its allowances are of no lot).
+-- 7. aivedio_admit makes the same checks and writes in fewer statements, by key (index scans), with
 --    the foreign keys checked inside it: the wallet is locked by the
 --    statement that finds it (unless it is partitioned: the allowances are locked first), the
 --    idempotency record, the queue usage and the cost windows are read in one statement, and the
 --    task, reservation, allocations, ledger transaction and entries, lots, wallet snapshot, charge,
 --    cost windows and outbox row are written by one.
--- 6. The tenant's queue counts come from 16 rows per lane (tenant_queue_usage), not a row per user.
 
 -- 1. Single-column checks as domains. The queue usage triggers name columns retyped here: dropped
 -- first, then made again as 0190 made them.
@@ -374,7 +375,7 @@ LANGUAGE sql IMMUTABLE AS $$
            END
 $$;
 
--- 6. A tenant's queue counts in a bounded number of rows (many users behind one tenant). The checks
+-- 5. A tenant's queue counts in a bounded number of rows (many users behind one tenant). The checks
 -- read the tenant's queued tasks and units as the sum of task_queue_usage (0190), a row per user and
 -- lane: a tenant of two thousand users summed two thousand rows on every admission, under the
 -- wallet's lock. The user's own limits need the user's rows only; the tenant's limits now read
@@ -432,7 +433,16 @@ BEGIN
 END;
 $$;
 
--- 5. 0195's function, in fewer statements. The same parameters, answers, checks, locks and writes.
+-- 6. A POSTPAID wallet can be partitioned too (an enterprise's contract wallet is the hot one): it
+-- has no credit lots, so its slots' allowances are of no lot (lot_id null), carved from its credit
+-- line within the credit limit and the period's contract budget. One allowance row per wallet, slot
+-- and lot still, a null lot being one lot.
+ALTER TABLE wallet_allowance
+    DROP CONSTRAINT wallet_allowance_pkey,
+    ALTER COLUMN lot_id DROP NOT NULL,
+    ADD CONSTRAINT wallet_allowance_wallet_slot_lot_key UNIQUE NULLS NOT DISTINCT (wallet_id, slot, lot_id);
+
+-- 7. 0195's function, in fewer statements. The same parameters, answers, checks, locks and writes.
 DROP FUNCTION aivedio_admit;
 CREATE FUNCTION aivedio_admit(
     p_tenant uuid, p_user uuid, p_task uuid, p_key text, p_hash text, p_claimed boolean,
@@ -477,6 +487,8 @@ DECLARE
     v_need bigint;
     v_part_amount bigint;
     v_have bigint;
+    v_others bigint;
+    v_credit_room bigint;
     v_slot_lots uuid[];
     v_slot_amounts bigint[];
     i integer;
@@ -501,10 +513,10 @@ BEGIN
     -- FOR NO KEY UPDATE (billing.ledger.lock_wallet says why), unless it is partitioned: then the
     -- slot path takes its slot's allowance rows only, when the slot looks able to pay, and the
     -- merged path every slot's rows and then the wallet, in the lock order of everything that locks
-    -- both (0195 says why). A POSTPAID wallet is never partitioned.
+    -- both (0195 says why).
     SELECT a.* INTO w FROM wallet_account a
      WHERE a.wallet_id = (SELECT f.wallet_id FROM wallet_account f WHERE f.tenant_id = p_tenant ORDER BY f.wallet_id LIMIT 1)
-       AND (a.account_type = 'POSTPAID' OR NOT EXISTS (SELECT 1 FROM wallet_partitioning p WHERE p.wallet_id = a.wallet_id))
+       AND NOT EXISTS (SELECT 1 FROM wallet_partitioning p WHERE p.wallet_id = a.wallet_id)
        FOR NO KEY UPDATE OF a;
     IF NOT FOUND THEN  -- no wallet, or a partitioned one
         SELECT a.wallet_id, a.account_type, a.frozen, a.freeze_reason, a.available_amount, a.reserved_amount,
@@ -516,7 +528,7 @@ BEGIN
           FROM wallet_account a LEFT JOIN wallet_partitioning p USING (wallet_id)
          WHERE a.tenant_id = p_tenant ORDER BY a.wallet_id LIMIT 1;
         IF w.wallet_id IS NOT NULL THEN
-            IF v_part.wallet_id IS NULL OR w.account_type = 'POSTPAID' THEN
+            IF v_part.wallet_id IS NULL THEN
                 -- Unpartitioned since the first read: locked as it is now.
                 SELECT * INTO w FROM wallet_account WHERE wallet_id = w.wallet_id FOR NO KEY UPDATE;
             ELSE
@@ -540,7 +552,7 @@ BEGIN
                       INTO v_have, v_slot_lots, v_slot_amounts
                       FROM (SELECT s.lot_id, s.amount FROM wallet_allowance s
                              WHERE s.wallet_id = w.wallet_id AND s.slot = v_slot ORDER BY s.lot_id FOR UPDATE) a
-                      JOIN credit_lot l USING (lot_id);
+                      LEFT JOIN credit_lot l USING (lot_id);  -- a POSTPAID wallet's allowance is of no lot
                     IF v_have < p_amount THEN
                         status := 'SLOT_SHORT';
                         RETURN;
@@ -686,33 +698,58 @@ BEGIN
                 END IF;
             END IF;
         ELSIF p_amount > 0 AND path = 'MERGED' THEN
-            -- The merged path. Refill the slot: from the wallet's lots (a chunk, at least what is
-            -- missing), then from the other slots' allowances. Everything is locked; nothing is written yet.
+            -- The merged path. Refill the slot: from the wallet (a chunk, at least what is missing),
+            -- then from the other slots' allowances. Everything is locked; nothing is written yet.
+            -- A wallet with lots carves from them, earliest expiry first; a POSTPAID wallet carves
+            -- from its credit line, within its credit limit and the period's contract budget (its
+            -- allowances count as reserved in both), as an allowance of no lot.
             SELECT coalesce(sum(a.amount), 0) INTO v_have
-              FROM wallet_allowance a JOIN credit_lot l USING (lot_id)
+              FROM wallet_allowance a LEFT JOIN credit_lot l USING (lot_id)
              WHERE a.wallet_id = w.wallet_id AND a.slot = v_slot AND (l.expires_at IS NULL OR l.expires_at > p_now);
             IF v_have < p_amount THEN
-                v_need := greatest(p_amount - v_have, least(v_part.chunk_amount, w.available_amount));
-                FOR v_lot IN SELECT l.lot_id, l.remaining_amount FROM credit_lot l
-                              WHERE l.wallet_id = w.wallet_id AND l.remaining_amount > 0
-                                AND (l.expires_at IS NULL OR l.expires_at > p_now)
-                              ORDER BY l.expires_at ASC NULLS LAST, l.priority ASC, l.created_at ASC, l.lot_id
-                                FOR NO KEY UPDATE LOOP  -- as the wallet: slot admissions' keys pass
-                    EXIT WHEN v_need = 0;
-                    v_part_amount := least(v_need, v_lot.remaining_amount);
-                    v_carve_lots := v_carve_lots || v_lot.lot_id;
-                    v_carve_parts := v_carve_parts || v_part_amount;
-                    v_need := v_need - v_part_amount;
-                    v_have := v_have + v_part_amount;
-                END LOOP;
+                IF w.account_type = 'POSTPAID' THEN
+                    v_credit_room := w.available_amount + w.credit_limit_amount;
+                    SELECT b.budget_amount - (b.settled_amount - b.refunded_amount) - w.reserved_amount INTO v_room
+                      FROM (SELECT * FROM contract_budget cb WHERE cb.wallet_id = w.wallet_id AND cb.period_start <= p_now
+                             ORDER BY cb.period_start DESC LIMIT 1) b
+                     WHERE b.period_end > p_now;
+                    v_part_amount := least(greatest(p_amount - v_have, v_part.chunk_amount),
+                                           greatest(0, least(v_credit_room, coalesce(v_room, v_credit_room))));
+                    IF v_part_amount > 0 THEN
+                        v_carve_lots := ARRAY[NULL::uuid];
+                        v_carve_parts := ARRAY[v_part_amount];
+                        v_have := v_have + v_part_amount;
+                    END IF;
+                ELSE
+                    v_need := greatest(p_amount - v_have, least(v_part.chunk_amount, w.available_amount));
+                    FOR v_lot IN SELECT l.lot_id, l.remaining_amount FROM credit_lot l
+                                  WHERE l.wallet_id = w.wallet_id AND l.remaining_amount > 0
+                                    AND (l.expires_at IS NULL OR l.expires_at > p_now)
+                                  ORDER BY l.expires_at ASC NULLS LAST, l.priority ASC, l.created_at ASC, l.lot_id
+                                    FOR NO KEY UPDATE LOOP  -- as the wallet: slot admissions' keys pass
+                        EXIT WHEN v_need = 0;
+                        v_part_amount := least(v_need, v_lot.remaining_amount);
+                        v_carve_lots := v_carve_lots || v_lot.lot_id;
+                        v_carve_parts := v_carve_parts || v_part_amount;
+                        v_need := v_need - v_part_amount;
+                        v_have := v_have + v_part_amount;
+                    END LOOP;
+                END IF;
                 IF v_have < p_amount THEN
                     -- What the other slots hold counts too: exactly the wallet's credit is spendable.
-                    IF v_have + (SELECT coalesce(sum(a.amount), 0) FROM wallet_allowance a JOIN credit_lot l USING (lot_id)
+                    v_others := (SELECT coalesce(sum(a.amount), 0) FROM wallet_allowance a LEFT JOIN credit_lot l USING (lot_id)
                                   WHERE a.wallet_id = w.wallet_id AND a.slot <> v_slot
-                                    AND (l.expires_at IS NULL OR l.expires_at > p_now)) < p_amount THEN
-                        status := 'INSUFFICIENT_CREDIT';
-                        amount := w.available_amount + (SELECT coalesce(sum(a.amount), 0) FROM wallet_allowance a
-                                                          WHERE a.wallet_id = w.wallet_id);
+                                    AND (l.expires_at IS NULL OR l.expires_at > p_now));
+                    IF v_have + v_others < p_amount THEN
+                        IF v_room IS NOT NULL AND v_room < v_credit_room THEN  -- POSTPAID: the budget binds
+                            status := 'CONTRACT_BUDGET';
+                            amount := v_room + (SELECT coalesce(sum(a.amount), 0) FROM wallet_allowance a
+                                                 WHERE a.wallet_id = w.wallet_id);
+                        ELSE
+                            status := 'INSUFFICIENT_CREDIT';
+                            amount := w.available_amount + (SELECT coalesce(sum(a.amount), 0) FROM wallet_allowance a
+                                                              WHERE a.wallet_id = w.wallet_id);
+                        END IF;
                         EXIT checks;
                     END IF;
                 END IF;
@@ -794,18 +831,18 @@ BEGIN
             ON CONFLICT (wallet_id, slot, lot_id) DO UPDATE SET amount = a.amount + excluded.amount;
             v_txn := gen_random_uuid();
         END IF;
-        v_need := p_amount - (SELECT coalesce(sum(a.amount), 0) FROM wallet_allowance a JOIN credit_lot l USING (lot_id)
+        v_need := p_amount - (SELECT coalesce(sum(a.amount), 0) FROM wallet_allowance a LEFT JOIN credit_lot l USING (lot_id)
                                WHERE a.wallet_id = w.wallet_id AND a.slot = v_slot
                                  AND (l.expires_at IS NULL OR l.expires_at > p_now));
         IF v_need > 0 THEN
-            FOR v_lot IN SELECT a.slot, a.lot_id, a.amount FROM wallet_allowance a JOIN credit_lot l USING (lot_id)
+            FOR v_lot IN SELECT a.slot, a.lot_id, a.amount FROM wallet_allowance a LEFT JOIN credit_lot l USING (lot_id)
                           WHERE a.wallet_id = w.wallet_id AND a.slot <> v_slot AND a.amount > 0
                             AND (l.expires_at IS NULL OR l.expires_at > p_now)
                           ORDER BY l.expires_at ASC NULLS LAST, l.priority ASC, l.created_at ASC, a.lot_id, a.slot LOOP
                 EXIT WHEN v_need = 0;
                 v_part_amount := least(v_need, v_lot.amount);
                 UPDATE wallet_allowance a SET amount = a.amount - v_part_amount
-                 WHERE a.wallet_id = w.wallet_id AND a.slot = v_lot.slot AND a.lot_id = v_lot.lot_id;
+                 WHERE a.wallet_id = w.wallet_id AND a.slot = v_lot.slot AND a.lot_id IS NOT DISTINCT FROM v_lot.lot_id;
                 INSERT INTO wallet_allowance AS a (wallet_id, slot, lot_id, tenant_id, amount)
                 VALUES (w.wallet_id, v_slot, v_lot.lot_id, p_tenant, v_part_amount)
                 ON CONFLICT (wallet_id, slot, lot_id) DO UPDATE SET amount = a.amount + excluded.amount;
@@ -820,7 +857,7 @@ BEGIN
             SELECT coalesce(array_agg(a.lot_id ORDER BY l.expires_at ASC NULLS LAST, l.priority ASC, l.created_at ASC, a.lot_id), '{}'),
                    coalesce(array_agg(a.amount ORDER BY l.expires_at ASC NULLS LAST, l.priority ASC, l.created_at ASC, a.lot_id), '{}')
               INTO v_slot_lots, v_slot_amounts
-              FROM wallet_allowance a JOIN credit_lot l USING (lot_id)
+              FROM wallet_allowance a LEFT JOIN credit_lot l USING (lot_id)
              WHERE a.wallet_id = w.wallet_id AND a.slot = v_slot AND a.amount > 0
                AND (l.expires_at IS NULL OR l.expires_at > p_now);
         END IF;
@@ -838,7 +875,7 @@ BEGIN
         END IF;
         UPDATE wallet_allowance a SET amount = a.amount - u.part
           FROM unnest(v_lots, v_parts) AS u(lot_id, part)
-         WHERE a.wallet_id = w.wallet_id AND a.slot = v_slot AND a.lot_id = u.lot_id;
+         WHERE a.wallet_id = w.wallet_id AND a.slot = v_slot AND a.lot_id IS NOT DISTINCT FROM u.lot_id;
     END IF;
 
     -- Everything else in one statement. Through the wallet: the lots' remaining -> reserved, the
@@ -866,7 +903,8 @@ BEGIN
         VALUES (v_reservation, p_tenant, w.wallet_id, p_task, p_quoted, p_amount, 'ACTIVE', p_price_version, p_charge_policy)),
     allocations AS (
         INSERT INTO reservation_allocation (reservation_id, lot_id, tenant_id, amount)
-        SELECT v_reservation, u.lot_id, p_tenant, u.part FROM unnest(v_lots, v_parts) AS u(lot_id, part)),
+        SELECT v_reservation, u.lot_id, p_tenant, u.part FROM unnest(v_lots, v_parts) AS u(lot_id, part)
+         WHERE u.lot_id IS NOT NULL),  -- (a POSTPAID slot's credit is of no lot)
     txn AS (
         INSERT INTO ledger_transaction (ledger_txn_id, tenant_id, wallet_id, unit_code, business_key, event_type, task_id,
                                         reservation_id, reason_code)
