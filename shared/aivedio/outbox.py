@@ -152,7 +152,9 @@ def waking_relay() -> Iterator[None]:
     A process wakes the relay at most once per RELAY_HOT_POLL_SECONDS: a relay woken that recently
     has just published (what woke it, or what a hot poll found before) and polls that often, so the
     events of this invocation go out as soon without a wake of their own. Under load that spares a
-    Redis round trip (in AWS) or a message to the main process (`serve --api-workers`) per request."""
+    Redis round trip (in AWS) or a message to the main process (`serve --api-workers`) per request.
+    (When the write that woke it rolled back, the relay found nothing and is not polling hot: events
+    committed in the next RELAY_HOT_POLL_SECONDS wait for its idle poll, the bound either way.)"""
     before = written()
     try:
         yield

@@ -1,8 +1,9 @@
 """Migration 0230 (admission's write cost, issue 15) over a database that already holds a tenant's
 money and queued tasks, written by the schema before it: the single-column checks become domains
-over the rows that are there, the ledger's headers get their wallet's unit, and afterwards the
-wallet check still balances, the queue usage still counts the queued tasks, admission goes on, and
-the keys that replaced others refuse what those refused."""
+over the rows that are there (no table rewritten), the ledger's headers get their wallet's unit,
+and afterwards the wallet check still balances, the queue usage still counts the queued tasks,
+admission goes on, and the keys that replaced others refuse what those refused. And the admission
+function it defines runs alone in its transaction."""
 from __future__ import annotations
 
 import json
@@ -25,6 +26,8 @@ from tests.conftest import _with_db, admin_url, drop_test_database
 
 MIGRATION = 230
 CREDITS = 10_000
+# Tables whose columns become domains: retyped in place, never rewritten.
+BIG = ["generation_task", "ledger_entry", "ledger_transaction", "credit_reservation", "outbox_event", "idempotency_record"]
 
 
 def _grant_the_old_way(conn, wallet: dict) -> None:
@@ -68,7 +71,11 @@ def test_the_migration_keeps_a_tenants_money_and_queue_and_admission_goes_on(tmp
         finally:
             p.close()
 
+        with psycopg.connect(url) as c:
+            files = dict(c.execute("select relname, relfilenode from pg_class where relname = any(%s)", (BIG,)).fetchall())
         migrate(url)
+        with psycopg.connect(url) as c:
+            assert dict(c.execute("select relname, relfilenode from pg_class where relname = any(%s)", (BIG,)).fetchall()) == files
 
         p = build_platform(Settings(database_url=url, redis_url=redis_url, redis_prefix=redis_prefix), PlatformConfig(),
                            pool_size=2)
@@ -111,3 +118,26 @@ def test_the_migration_keeps_a_tenants_money_and_queue_and_admission_goes_on(tmp
             p.close()
     finally:
         drop_test_database(url)
+
+
+def test_the_admission_function_refuses_a_transaction_that_wrote_before_it(platform, conn):
+    """aivedio_admit makes the deferred constraints immediate for the rest of its transaction, so it
+    runs alone in one (aivedio.admission.write calls it on an autocommit connection)."""
+    from aivedio.admission import queue_stats, write
+    from aivedio.admission.service import _precheck, prepare
+    from tests.admission_support import new_tenant
+
+    t = new_tenant(platform)
+    req = GenerationRequest(**BODY)
+    _, policy = _precheck(platform, t.tenant_id, "alone")
+    est, q = prepare(platform, policy, req)
+    params = write.params(platform, t.caller, req, "alone", "h", policy, est, q, task_id=uuid.uuid4(), claimed=False,
+                          lane=queue_stats.lane_stats(platform, est.queue_class), best_effort=None)
+    args = [params[name] for name, _ in write.ADMIT_ARGS]
+    with pytest.raises(psycopg.errors.RaiseException, match="runs alone in its transaction"):
+        with conn.transaction():
+            conn.execute("insert into idempotency_record (tenant_id, idempotency_key, request_hash) values (%s, 'other', 'h')",
+                         (t.tenant_id,))
+            psycopg.RawCursor(conn).execute(write.ADMIT, args)
+    row = psycopg.RawCursor(conn).execute(write.ADMIT, args).fetchone()  # alone: admitted
+    assert row["status"] == "ADMITTED"

@@ -339,3 +339,34 @@ def test_a_postpaid_wallets_slots_are_held_to_the_contract_budget(platform, conn
     allowance_return.run_once(platform)
     w = assert_consistent(conn, t.wallet_id)
     assert (w["available_amount"], w["reserved_amount"]) == (-5 * PRICE, 5 * PRICE)
+
+
+def test_a_contract_budget_cut_takes_back_what_the_slots_hold(platform, conn, finance):
+    """The slots of a POSTPAID wallet hold credit carved under the budget in force: a cut returns it
+    at once, so the next admission meets the new budget, not what a slot still held."""
+    from aivedio.billing.contract_budgets import set_contract_budget
+
+    t = new_tenant(platform, account_type="POSTPAID", credits=100 * PRICE)
+    members = [t] + [second_user(platform, t) for _ in range(3)]
+    now = platform.clock.now()
+    period = (now - timedelta(days=1), now + timedelta(days=1))
+
+    def budget(amount):
+        platform.db.transaction(lambda c: set_contract_budget(c, operator=finance, tenant_id=t.tenant_id,
+                                                              period_start=period[0], period_end=period[1],
+                                                              budget_amount=amount))
+
+    budget(20 * PRICE)
+    platform.db.transaction(lambda c: allowances.partition(c, operator=finance, tenant_id=t.tenant_id, slots=2,
+                                                           chunk_amount=5 * PRICE))
+    req = GenerationRequest(**BODY)
+    for i, m in enumerate(members):
+        assert admit(platform, m.caller, req, BODY, f"before-{i}").status == 202
+    assert allowances.held(conn, t.wallet_id) > 0  # the slots hold more than the tasks took
+    budget(4 * PRICE)  # exactly what the four tasks hold
+    assert allowances.held(conn, t.wallet_id) == 0
+    with pytest.raises(Rejected) as e:
+        admit(platform, members[0].caller, req, BODY, "after")
+    assert e.value.decision == "REJECT_INSUFFICIENT_CREDIT" and "contract budget" in e.value.message
+    w = assert_consistent(conn, t.wallet_id)
+    assert (w["available_amount"], w["reserved_amount"]) == (-4 * PRICE, 4 * PRICE)

@@ -276,6 +276,21 @@ def test_audit_log_and_provider_cost_events_are_append_only(conn):
             conn.execute(stmt, (arg,))
 
 
+def test_an_entry_cannot_be_added_to_a_committed_transaction(conn):
+    """Migration 0230: entries belong to their transaction's database transaction (created_xid in
+    the entry's key), so a balanced transaction cannot be unbalanced later, nor a pair slipped in."""
+    t = make_tenant(conn)
+    w = make_wallet(conn, t["tenant_id"])
+    txn = grant(conn, w, 100)
+    for later in ([("AVAILABLE", 5)], [("AVAILABLE", 5), ("ISSUED", -5)]):
+        with pytest.raises(errors.ForeignKeyViolation):
+            with conn.transaction():
+                for bucket, delta in later:
+                    conn.execute("insert into ledger_entry (ledger_txn_id, bucket, amount_delta) values (%s, %s, %s)",
+                                 (txn, bucket, delta))
+    assert conn.execute("select count(*) as n from ledger_entry where ledger_txn_id = %s", (txn,)).fetchone()["n"] == 2
+
+
 def test_entry_must_belong_to_its_transactions_wallet(conn):
     t = make_tenant(conn)
     w1 = make_wallet(conn, t["tenant_id"], "PREPAID")

@@ -1,5 +1,6 @@
 """Admission's write path in one round trip: one call of the aivedio_admit function (migration
-0190, with the slots of partitioned wallets since 0195), which locks the wallet (or, for a
+0190, with the slots of partitioned wallets since 0195, rewritten for its cost in 0230), which
+locks the wallet (or, for a
 partitioned wallet, the admitting user's slot), checks the idempotency record, the queue limits,
 the cost windows, the expected wait and the credit under that lock, and writes the COMPLETED
 idempotency record, the task, the RESERVE across credit lots (reservation, allocations, ledger
@@ -8,11 +9,13 @@ windows and the TaskQueued outbox row. A refusal writes nothing: the function on
 locks before its first write.
 
 The call runs alone on an autocommit connection, so the statement is the whole transaction and
-the wallet lock is held for the function's work and the commit only. This module owns the call
-(ADMIT), the parameters it is given and the answers it gives (`status`), which it maps to the
-admission's codes. A slot that cannot admit alone answers SLOT_SHORT (or raises SLOT_SHORT when
-its allowance went between its look and its lock), and the call is made again on the merged path:
-a second round trip, for a refill or near a tenant-wide limit only."""
+the wallet lock is held for the function's work and the commit only; the function refuses to run
+in a transaction that has written before it (it makes the deferred constraints immediate for the
+rest of its transaction). This module owns the call (ADMIT), the parameters it is given and the
+answers it gives (`status`), which it maps to the admission's codes. A slot that cannot admit alone
+(its allowance short of the task, or the tenant near a limit the slots could pass together) answers
+SLOT_SHORT, and the call is made again on the merged path: a second round trip, for a refill or near
+a tenant-wide limit only."""
 from __future__ import annotations
 
 import random
@@ -36,7 +39,6 @@ from aivedio.pricing.price_book import Quote
 MAX_RETRY_AFTER_SECONDS = 3600  # the longest Retry-After a rejection suggests
 # One task per key: an admission whose key's record expired while its task keeps the key fails on it.
 SPENT_KEY_CONSTRAINT = "generation_task_tenant_idempotency_key"
-SLOT_SHORT = "aivedio_slot_short"  # the slot path found its allowance spent after it had looked (migration 0195)
 
 # The call's arguments in order, each with its SQL type where the function needs one named. The call
 # uses PostgreSQL's own placeholders ($1...): psycopg converts a query with %(name)s placeholders on
@@ -149,10 +151,6 @@ def admit_once(platform, p: dict) -> Written | RecordAnswers:
             # A partitioned wallet's slot could not admit alone (its allowance ran short, or the
             # tenant is near a limit the slots could pass together): the merged path decides.
             row = call(platform, {**p, "merged": True})
-    except psycopg.errors.RaiseException as e:
-        if e.diag.message_primary != SLOT_SHORT:
-            raise
-        row = call(platform, {**p, "merged": True})
     except psycopg.errors.UniqueViolation as e:
         if e.diag.constraint_name == SPENT_KEY_CONSTRAINT:  # the call wrote nothing: it failed whole
             raise KeySpent() from None

@@ -47,7 +47,8 @@ WARM_ADMISSIONS = 20  # per in-process worker, before the clock starts
 HTTP_WARM_SECONDS = 2.0
 # The rows every admission of a tenant updates in place (see bench.pgcpu.Vacuuming): a partitioned
 # wallet's admissions update their slot's allowance instead of the wallet and its lot.
-HOT_TABLES = ("wallet_account", "credit_lot", "tenant_cost_window", "task_queue_usage", "wallet_allowance")
+HOT_TABLES = ("wallet_account", "credit_lot", "tenant_cost_window", "task_queue_usage", "tenant_queue_usage",
+              "wallet_allowance")
 TARGETS = {"in_process_ratio_vs_pgbench": 0.3, "http_ratio_vs_pgbench": 0.2, "half_load_p99_ms": 15.0,
            "pg_cpu_ratio_max": 2.5, "hot_wallet_ratio_to_spread": 0.8}
 

@@ -97,7 +97,7 @@ def partition(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, slots
             bad[name] = "a positive integer"
     if bad:
         raise InvalidRequest("invalid wallet partitioning", bad)
-    w = conn.execute("select wallet_id, account_type from wallet_account where tenant_id = %s order by wallet_id limit 1",
+    w = conn.execute("select wallet_id from wallet_account where tenant_id = %s order by wallet_id limit 1",
                      (tenant_id,)).fetchone()
     if w is None:
         raise NotFound(f"tenant {tenant_id} has no wallet")

@@ -24,6 +24,7 @@ from uuid import UUID
 import psycopg
 
 from aivedio.admin import rbac
+from aivedio.billing import allowances
 from aivedio.billing.ledger import lock_wallet
 from aivedio.errors import Conflict, InvalidRequest, NotFound
 
@@ -104,6 +105,9 @@ def set_contract_budget(conn: psycopg.Connection, *, operator: str, tenant_id: U
         (tenant_id,)).fetchone()
     if w is None:
         raise NotFound(f"tenant {tenant_id} has no POSTPAID wallet")
+    # A partitioned wallet's slots hold credit carved under the budget in force: it goes back first
+    # (the allowances, then the wallet: the lock order of 0195), so a cut binds the next admission.
+    allowances.return_all(conn, w["wallet_id"])
     wallet = lock_wallet(conn, tenant_id, w["wallet_id"])  # the lock every accrual and reservation of this wallet takes
     clash = conn.execute(
         """select period_start, period_end from contract_budget

@@ -31,8 +31,9 @@ from aivedio.local.lambda_context import FakeLambdaContext
 log = logging.getLogger("aivedio.local.http")
 
 MAX_BODY_BYTES = 10 * 1024 * 1024  # API Gateway's payload quota
-MAX_HEADER_LINE_BYTES = 65536  # http.client's limits for a header line and the number of headers
+MAX_HEADER_LINE_BYTES = 65536  # http.client's limits for a header line and the number of header lines
 MAX_HEADERS = 100
+MAX_HEADER_BLOCK_BYTES = 65536  # all of them together
 _HEADER_NAME = re.compile(r"[\x21-\x39\x3b-\x7e]+")  # printable, no colon: the email parser's rule
 LambdaHandler = Callable[[dict, Any], Any]
 
@@ -75,16 +76,21 @@ class BadHeaders(ValueError):
 def read_headers(rfile) -> Headers:
     """The header block of a request, up to its empty line: `Name: value` lines (the value without
     its leading blanks and its line end; an obsolete folded line continues the value before it), at
-    most MAX_HEADERS lines of at most MAX_HEADER_LINE_BYTES. Raises BadHeaders for anything else."""
+    most MAX_HEADERS lines (folded ones count) of at most MAX_HEADER_LINE_BYTES, and at most
+    MAX_HEADER_BLOCK_BYTES in all. Raises BadHeaders for anything else."""
     items: list[tuple[str, str]] = []
+    lines = size = 0
     while True:
         raw = rfile.readline(MAX_HEADER_LINE_BYTES + 1)
         if len(raw) > MAX_HEADER_LINE_BYTES:
             raise BadHeaders(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Line too long")
         if raw in (b"\r\n", b"\n", b""):
             return Headers(items)
-        if len(items) >= MAX_HEADERS:
+        lines, size = lines + 1, size + len(raw)
+        if lines > MAX_HEADERS:
             raise BadHeaders(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Too many headers")
+        if size > MAX_HEADER_BLOCK_BYTES:
+            raise BadHeaders(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Headers too large")
         line = raw.decode("iso-8859-1")
         if line[0] in " \t":
             if not items:
@@ -132,7 +138,8 @@ class _Handler(BaseHTTPRequestHandler):
     def parse_request(self) -> bool:
         """http.server's rules, with the header block read by read_headers() instead of the email
         package: the request line (HTTP/1.0 or 1.1; HTTP/0.9 GET only), keep-alive by default on
-        HTTP/1.1 and Connection to say otherwise, Expect: 100-continue. False after answering an error."""
+        HTTP/1.1 and Connection to say otherwise, Expect: 100-continue. False after answering an
+        error, in the API's JSON error shape (http.server answers HTML)."""
         self.command = None
         self.request_version = self.default_request_version
         self.close_connection = True
@@ -144,30 +151,25 @@ class _Handler(BaseHTTPRequestHandler):
             version = words[-1]
             number = version[5:].split(".") if version.startswith("HTTP/") else []
             if len(number) != 2 or not all(n.isdigit() and len(n) <= 10 for n in number):
-                self.send_error(HTTPStatus.BAD_REQUEST, f"Bad request version ({version!r})")
-                return False
+                return self._refuse(HTTPStatus.BAD_REQUEST, f"Bad request version ({version!r})")
             if (int(number[0]), int(number[1])) >= (2, 0):
-                self.send_error(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, f"Invalid HTTP version ({version[5:]})")
-                return False
+                return self._refuse(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, f"Invalid HTTP version ({version[5:]})")
             if (int(number[0]), int(number[1])) >= (1, 1) and self.protocol_version >= "HTTP/1.1":
                 self.close_connection = False
             self.request_version = version
         if not 2 <= len(words) <= 3:
-            self.send_error(HTTPStatus.BAD_REQUEST, f"Bad request syntax ({self.requestline!r})")
-            return False
+            return self._refuse(HTTPStatus.BAD_REQUEST, f"Bad request syntax ({self.requestline!r})")
         self.command, self.path = words[:2]
         if len(words) == 2:
             self.close_connection = True
             if self.command != "GET":
-                self.send_error(HTTPStatus.BAD_REQUEST, f"Bad HTTP/0.9 request type ({self.command!r})")
-                return False
+                return self._refuse(HTTPStatus.BAD_REQUEST, f"Bad HTTP/0.9 request type ({self.command!r})")
         if self.path.startswith("//"):  # gh-87389: never an absolute URI without its scheme
             self.path = "/" + self.path.lstrip("/")
         try:
             self.headers = read_headers(self.rfile)
         except BadHeaders as e:
-            self.send_error(e.status, str(e))
-            return False
+            return self._refuse(e.status, str(e))
         conntype = (self.headers.get("Connection") or "").lower()
         if conntype == "close":
             self.close_connection = True
@@ -177,6 +179,11 @@ class _Handler(BaseHTTPRequestHandler):
         if expect == "100-continue" and self.protocol_version >= "HTTP/1.1" and self.request_version >= "HTTP/1.1":
             return self.handle_expect_100()
         return True
+
+    def _refuse(self, status: HTTPStatus, message: str) -> bool:
+        """Answer a request that could not be read, in the API's error shape, and close: False."""
+        self._reply(apigw.gateway_error(int(status), status.name, message), close=True)
+        return False
 
     def _read_body(self) -> bytes | None:
         """The request body, or None after answering 413/400 for it."""

@@ -21,7 +21,7 @@
 -- 3. A reservation's allocations name their reservation and tenant in one foreign key, (tenant_id,
 --    reservation_id): one check instead of two, and the tenant is now the reservation's.
 -- 4. aivedio_expected_wait is plain SQL, which the planner inlines into the caller's expression.
--- 5. The tenant's queue counts come from 16 rows per lane (tenant_queue_usage), not a row per user.
+-- 5. The tenant's queue counts come from at most 64 rows per lane (tenant_queue_usage), not a row per user.
 -- 6. A POSTPAID wallet can be partitioned (its allowances are of no lot).
 -- 7. aivedio_admit makes the same checks and writes in fewer statements, by key (index scans), with
 --    the foreign keys checked inside it: the wallet is locked by the
@@ -30,23 +30,21 @@
 --    task, reservation, allocations, ledger transaction and entries, lots, wallet snapshot, charge,
 --    cost windows and outbox row are written by one.
 
--- 1. Single-column checks as domains. The queue usage triggers name columns retyped here: dropped
--- first, then made again as 0190 made them.
+-- 1. Single-column checks as domains. Each column is retyped to a domain without checks first (the
+-- same representation: no table is rewritten, and the indexes are kept but for partial ones whose
+-- predicate names a retyped column), then the domains get their checks, each validated by a scan of
+-- the rows that are there. The queue usage triggers name columns retyped here: dropped first, then
+-- made again as 0190 made them.
 DROP TRIGGER generation_task_queue_usage_insert ON generation_task;
 DROP TRIGGER generation_task_queue_usage_update ON generation_task;
 DROP TRIGGER generation_task_queue_usage_delete ON generation_task;
 
 -- credit_lot
-CREATE DOMAIN credit_lot_kind AS text
-    CONSTRAINT credit_lot_kind_check CHECK (VALUE = ANY (ARRAY['PAID', 'SUBSCRIPTION', 'PROMOTIONAL', 'COMPENSATION']));
-CREATE DOMAIN credit_lot_original_amount AS bigint
-    CONSTRAINT credit_lot_original_positive CHECK (VALUE > 0);
-CREATE DOMAIN credit_lot_remaining_amount AS bigint
-    CONSTRAINT credit_lot_remaining_nonneg CHECK (VALUE >= 0);
-CREATE DOMAIN credit_lot_reserved_amount AS bigint
-    CONSTRAINT credit_lot_reserved_nonneg CHECK (VALUE >= 0);
-CREATE DOMAIN credit_lot_expired_amount AS bigint
-    CONSTRAINT credit_lot_expired_nonneg CHECK (VALUE >= 0);
+CREATE DOMAIN credit_lot_kind AS text;
+CREATE DOMAIN credit_lot_original_amount AS bigint;
+CREATE DOMAIN credit_lot_remaining_amount AS bigint;
+CREATE DOMAIN credit_lot_reserved_amount AS bigint;
+CREATE DOMAIN credit_lot_expired_amount AS bigint;
 ALTER TABLE credit_lot
     DROP CONSTRAINT credit_lot_kind_check,
     DROP CONSTRAINT credit_lot_original_positive,
@@ -59,18 +57,12 @@ ALTER TABLE credit_lot
     ALTER COLUMN reserved_amount TYPE credit_lot_reserved_amount,
     ALTER COLUMN expired_amount TYPE credit_lot_expired_amount;
 -- credit_reservation
-CREATE DOMAIN credit_reservation_quoted_amount AS bigint
-    CONSTRAINT credit_reservation_quoted_amount_check CHECK (VALUE >= 0);
-CREATE DOMAIN credit_reservation_reserved_amount AS bigint
-    CONSTRAINT credit_reservation_reserved_nonneg CHECK (VALUE >= 0);
-CREATE DOMAIN credit_reservation_settled_amount AS bigint
-    CONSTRAINT credit_reservation_settled_nonneg CHECK (VALUE >= 0);
-CREATE DOMAIN credit_reservation_released_amount AS bigint
-    CONSTRAINT credit_reservation_released_nonneg CHECK (VALUE >= 0);
-CREATE DOMAIN credit_reservation_refunded_amount AS bigint
-    CONSTRAINT credit_reservation_refunded_nonneg CHECK (VALUE >= 0);
-CREATE DOMAIN credit_reservation_state AS text
-    CONSTRAINT credit_reservation_state_check CHECK (VALUE = ANY (ARRAY['ACTIVE', 'PARTIALLY_SETTLED', 'SETTLED', 'RELEASED', 'PARTIALLY_REFUNDED', 'REFUNDED']));
+CREATE DOMAIN credit_reservation_quoted_amount AS bigint;
+CREATE DOMAIN credit_reservation_reserved_amount AS bigint;
+CREATE DOMAIN credit_reservation_settled_amount AS bigint;
+CREATE DOMAIN credit_reservation_released_amount AS bigint;
+CREATE DOMAIN credit_reservation_refunded_amount AS bigint;
+CREATE DOMAIN credit_reservation_state AS text;
 ALTER TABLE credit_reservation
     DROP CONSTRAINT credit_reservation_quoted_amount_check,
     DROP CONSTRAINT credit_reservation_reserved_nonneg,
@@ -85,18 +77,12 @@ ALTER TABLE credit_reservation
     ALTER COLUMN refunded_amount TYPE credit_reservation_refunded_amount,
     ALTER COLUMN state TYPE credit_reservation_state;
 -- generation_charge
-CREATE DOMAIN generation_charge_quoted_amount AS bigint
-    CONSTRAINT generation_charge_quoted_amount_check CHECK (VALUE >= 0);
-CREATE DOMAIN generation_charge_max_reserve_amount AS bigint
-    CONSTRAINT generation_charge_max_reserve_amount_check CHECK (VALUE >= 0);
-CREATE DOMAIN generation_charge_final_charge_amount AS bigint
-    CONSTRAINT generation_charge_final_charge_amount_check CHECK (VALUE >= 0);
-CREATE DOMAIN generation_charge_charge_version AS integer
-    CONSTRAINT generation_charge_charge_version_check CHECK (VALUE >= 1);
-CREATE DOMAIN generation_charge_absorbed_amount AS bigint
-    CONSTRAINT generation_charge_absorbed_amount_check CHECK (VALUE >= 0);
-CREATE DOMAIN generation_charge_delivered_seconds AS integer
-    CONSTRAINT generation_charge_delivered_seconds_check CHECK (VALUE >= 0);
+CREATE DOMAIN generation_charge_quoted_amount AS bigint;
+CREATE DOMAIN generation_charge_max_reserve_amount AS bigint;
+CREATE DOMAIN generation_charge_final_charge_amount AS bigint;
+CREATE DOMAIN generation_charge_charge_version AS integer;
+CREATE DOMAIN generation_charge_absorbed_amount AS bigint;
+CREATE DOMAIN generation_charge_delivered_seconds AS integer;
 ALTER TABLE generation_charge
     DROP CONSTRAINT generation_charge_quoted_amount_check,
     DROP CONSTRAINT generation_charge_max_reserve_amount_check,
@@ -111,38 +97,22 @@ ALTER TABLE generation_charge
     ALTER COLUMN absorbed_amount TYPE generation_charge_absorbed_amount,
     ALTER COLUMN delivered_seconds TYPE generation_charge_delivered_seconds;
 -- generation_task
-CREATE DOMAIN generation_task_queue_class AS text
-    CONSTRAINT generation_task_queue_class_check CHECK (VALUE = ANY (ARRAY['ENTERPRISE_RESERVED', 'PAID_SHARED', 'STANDARD', 'BEST_EFFORT', 'EXPENSIVE', 'RECOVERY']));
-CREATE DOMAIN generation_task_state AS text
-    CONSTRAINT generation_task_state_check CHECK (VALUE = ANY (ARRAY['QUEUED', 'DISPATCHING', 'SUBMITTED', 'RUNNING', 'SUBMIT_UNKNOWN', 'CANCEL_REQUESTED', 'PROVIDER_SUCCEEDED', 'MEDIA_PROCESSING', 'SUCCEEDED', 'FAILED', 'CANCELLED', 'MEDIA_INGEST_FAILED', 'MANUAL_REVIEW']));
-CREATE DOMAIN generation_task_version AS bigint
-    CONSTRAINT generation_task_version_check CHECK (VALUE >= 0);
-CREATE DOMAIN generation_task_fairness_units AS bigint
-    CONSTRAINT generation_task_fairness_units_check CHECK (VALUE >= 0);
-CREATE DOMAIN generation_task_provider_slot_units AS bigint
-    CONSTRAINT generation_task_provider_slot_units_check CHECK (VALUE >= 0);
-CREATE DOMAIN generation_task_estimated_cost_units AS bigint
-    CONSTRAINT generation_task_estimated_cost_units_check CHECK (VALUE >= 0);
-CREATE DOMAIN generation_task_idempotency_key AS text
-    CONSTRAINT generation_task_idempotency_key_length CHECK ((char_length(VALUE) >= 1) AND (char_length(VALUE) <= 255));
-CREATE DOMAIN generation_task_mode AS text
-    CONSTRAINT generation_task_mode_check CHECK (VALUE = ANY (ARRAY['text_to_video', 'image_to_video', 'video_to_video', 'extend']));
-CREATE DOMAIN generation_task_duration_seconds AS integer
-    CONSTRAINT generation_task_duration_seconds_check CHECK (VALUE > 0);
-CREATE DOMAIN generation_task_resolution AS text
-    CONSTRAINT generation_task_resolution_check CHECK (VALUE = ANY (ARRAY['480p', '720p', '1080p', '4k']));
-CREATE DOMAIN generation_task_gpu_units AS bigint
-    CONSTRAINT generation_task_gpu_units_check CHECK (VALUE >= 0);
-CREATE DOMAIN generation_task_media_units AS bigint
-    CONSTRAINT generation_task_media_units_check CHECK (VALUE >= 0);
-CREATE DOMAIN generation_task_base_priority_band AS smallint
-    CONSTRAINT generation_task_base_priority_band_check CHECK ((VALUE >= 0) AND (VALUE <= 4));
-CREATE DOMAIN generation_task_aging_promotions AS smallint
-    CONSTRAINT generation_task_aging_promotions_check CHECK (VALUE >= 0);
-CREATE DOMAIN generation_task_skip_count AS integer
-    CONSTRAINT generation_task_skip_count_check CHECK (VALUE >= 0);
-CREATE DOMAIN generation_task_capacity_mode AS text
-    CONSTRAINT generation_task_capacity_mode_check CHECK (VALUE = ANY (ARRAY['NORMAL', 'BORROWED']));
+CREATE DOMAIN generation_task_queue_class AS text;
+CREATE DOMAIN generation_task_state AS text;
+CREATE DOMAIN generation_task_version AS bigint;
+CREATE DOMAIN generation_task_fairness_units AS bigint;
+CREATE DOMAIN generation_task_provider_slot_units AS bigint;
+CREATE DOMAIN generation_task_estimated_cost_units AS bigint;
+CREATE DOMAIN generation_task_idempotency_key AS text;
+CREATE DOMAIN generation_task_mode AS text;
+CREATE DOMAIN generation_task_duration_seconds AS integer;
+CREATE DOMAIN generation_task_resolution AS text;
+CREATE DOMAIN generation_task_gpu_units AS bigint;
+CREATE DOMAIN generation_task_media_units AS bigint;
+CREATE DOMAIN generation_task_base_priority_band AS smallint;
+CREATE DOMAIN generation_task_aging_promotions AS smallint;
+CREATE DOMAIN generation_task_skip_count AS integer;
+CREATE DOMAIN generation_task_capacity_mode AS text;
 ALTER TABLE generation_task
     DROP CONSTRAINT generation_task_queue_class_check,
     DROP CONSTRAINT generation_task_state_check,
@@ -177,52 +147,41 @@ ALTER TABLE generation_task
     ALTER COLUMN skip_count TYPE generation_task_skip_count,
     ALTER COLUMN capacity_mode TYPE generation_task_capacity_mode;
 -- idempotency_record
-CREATE DOMAIN idempotency_record_idempotency_key AS text
-    CONSTRAINT idempotency_record_key_length CHECK ((char_length(VALUE) >= 1) AND (char_length(VALUE) <= 255));
-CREATE DOMAIN idempotency_record_status AS text
-    CONSTRAINT idempotency_record_status_check CHECK (VALUE = ANY (ARRAY['IN_PROGRESS', 'COMPLETED']));
+CREATE DOMAIN idempotency_record_idempotency_key AS text;
+CREATE DOMAIN idempotency_record_status AS text;
 ALTER TABLE idempotency_record
     DROP CONSTRAINT idempotency_record_key_length,
     DROP CONSTRAINT idempotency_record_status_check,
     ALTER COLUMN idempotency_key TYPE idempotency_record_idempotency_key,
     ALTER COLUMN status TYPE idempotency_record_status;
 -- ledger_entry
-CREATE DOMAIN ledger_entry_bucket AS text
-    CONSTRAINT ledger_entry_bucket_check CHECK (VALUE = ANY (ARRAY['AVAILABLE', 'RESERVED', 'CONSUMED', 'ISSUED', 'EXPIRED']));
-CREATE DOMAIN ledger_entry_amount_delta AS bigint
-    CONSTRAINT ledger_entry_amount_nonzero CHECK (VALUE <> 0);
+CREATE DOMAIN ledger_entry_bucket AS text;
+CREATE DOMAIN ledger_entry_amount_delta AS bigint;
 ALTER TABLE ledger_entry
     DROP CONSTRAINT ledger_entry_bucket_check,
     DROP CONSTRAINT ledger_entry_amount_nonzero,
     ALTER COLUMN bucket TYPE ledger_entry_bucket,
     ALTER COLUMN amount_delta TYPE ledger_entry_amount_delta;
 -- ledger_transaction
-CREATE DOMAIN ledger_transaction_business_key AS text
-    CONSTRAINT ledger_transaction_business_key_check CHECK (char_length(VALUE) > 0);
-CREATE DOMAIN ledger_transaction_event_type AS text
-    CONSTRAINT ledger_transaction_event_type_check CHECK (VALUE = ANY (ARRAY['GRANT', 'RESERVE', 'SETTLE', 'RELEASE', 'REFUND', 'COMPENSATE', 'EXPIRE', 'ADJUST']));
+CREATE DOMAIN ledger_transaction_business_key AS text;
+CREATE DOMAIN ledger_transaction_event_type AS text;
 ALTER TABLE ledger_transaction
     DROP CONSTRAINT ledger_transaction_business_key_check,
     DROP CONSTRAINT ledger_transaction_event_type_check,
     ALTER COLUMN business_key TYPE ledger_transaction_business_key,
     ALTER COLUMN event_type TYPE ledger_transaction_event_type;
 -- outbox_event
-CREATE DOMAIN outbox_event_status AS text
-    CONSTRAINT outbox_event_status_check CHECK (VALUE = ANY (ARRAY['PENDING', 'PUBLISHED', 'FAILED']));
-CREATE DOMAIN outbox_event_attempts AS integer
-    CONSTRAINT outbox_event_attempts_check CHECK (VALUE >= 0);
+CREATE DOMAIN outbox_event_status AS text;
+CREATE DOMAIN outbox_event_attempts AS integer;
 ALTER TABLE outbox_event
     DROP CONSTRAINT outbox_event_status_check,
     DROP CONSTRAINT outbox_event_attempts_check,
     ALTER COLUMN status TYPE outbox_event_status,
     ALTER COLUMN attempts TYPE outbox_event_attempts;
 -- reservation_allocation
-CREATE DOMAIN reservation_allocation_amount AS bigint
-    CONSTRAINT reservation_allocation_amount_positive CHECK (VALUE > 0);
-CREATE DOMAIN reservation_allocation_released_amount AS bigint
-    CONSTRAINT reservation_allocation_released_amount_check CHECK (VALUE >= 0);
-CREATE DOMAIN reservation_allocation_settled_amount AS bigint
-    CONSTRAINT reservation_allocation_settled_amount_check CHECK (VALUE >= 0);
+CREATE DOMAIN reservation_allocation_amount AS bigint;
+CREATE DOMAIN reservation_allocation_released_amount AS bigint;
+CREATE DOMAIN reservation_allocation_settled_amount AS bigint;
 ALTER TABLE reservation_allocation
     DROP CONSTRAINT reservation_allocation_amount_positive,
     DROP CONSTRAINT reservation_allocation_released_amount_check,
@@ -231,24 +190,18 @@ ALTER TABLE reservation_allocation
     ALTER COLUMN released_amount TYPE reservation_allocation_released_amount,
     ALTER COLUMN settled_amount TYPE reservation_allocation_settled_amount;
 -- tenant_cost_window
-CREATE DOMAIN tenant_cost_window_window_kind AS text
-    CONSTRAINT tenant_cost_window_window_kind_check CHECK (VALUE = ANY (ARRAY['MINUTE', 'DAY']));
-CREATE DOMAIN tenant_cost_window_cost_units AS bigint
-    CONSTRAINT tenant_cost_window_cost_units_check CHECK (VALUE >= 0);
+CREATE DOMAIN tenant_cost_window_window_kind AS text;
+CREATE DOMAIN tenant_cost_window_cost_units AS bigint;
 ALTER TABLE tenant_cost_window
     DROP CONSTRAINT tenant_cost_window_window_kind_check,
     DROP CONSTRAINT tenant_cost_window_cost_units_check,
     ALTER COLUMN window_kind TYPE tenant_cost_window_window_kind,
     ALTER COLUMN cost_units TYPE tenant_cost_window_cost_units;
 -- wallet_account
-CREATE DOMAIN wallet_account_account_type AS text
-    CONSTRAINT wallet_account_type_check CHECK (VALUE = ANY (ARRAY['PREPAID', 'SUBSCRIPTION', 'POSTPAID']));
-CREATE DOMAIN wallet_account_reserved_amount AS bigint
-    CONSTRAINT wallet_account_reserved_nonneg CHECK (VALUE >= 0);
-CREATE DOMAIN wallet_account_credit_limit_amount AS bigint
-    CONSTRAINT wallet_account_credit_limit_nonneg CHECK (VALUE >= 0);
-CREATE DOMAIN wallet_account_consumed_amount AS bigint
-    CONSTRAINT wallet_account_consumed_nonneg CHECK (VALUE >= 0);
+CREATE DOMAIN wallet_account_account_type AS text;
+CREATE DOMAIN wallet_account_reserved_amount AS bigint;
+CREATE DOMAIN wallet_account_credit_limit_amount AS bigint;
+CREATE DOMAIN wallet_account_consumed_amount AS bigint;
 ALTER TABLE wallet_account
     DROP CONSTRAINT wallet_account_type_check,
     DROP CONSTRAINT wallet_account_reserved_nonneg,
@@ -258,6 +211,59 @@ ALTER TABLE wallet_account
     ALTER COLUMN reserved_amount TYPE wallet_account_reserved_amount,
     ALTER COLUMN credit_limit_amount TYPE wallet_account_credit_limit_amount,
     ALTER COLUMN consumed_amount TYPE wallet_account_consumed_amount;
+
+
+-- The domains' checks, each validated over the rows that are there (a scan, no rewrite).
+ALTER DOMAIN credit_lot_kind ADD CONSTRAINT credit_lot_kind_check CHECK (VALUE = ANY (ARRAY['PAID', 'SUBSCRIPTION', 'PROMOTIONAL', 'COMPENSATION']));
+ALTER DOMAIN credit_lot_original_amount ADD CONSTRAINT credit_lot_original_positive CHECK (VALUE > 0);
+ALTER DOMAIN credit_lot_remaining_amount ADD CONSTRAINT credit_lot_remaining_nonneg CHECK (VALUE >= 0);
+ALTER DOMAIN credit_lot_reserved_amount ADD CONSTRAINT credit_lot_reserved_nonneg CHECK (VALUE >= 0);
+ALTER DOMAIN credit_lot_expired_amount ADD CONSTRAINT credit_lot_expired_nonneg CHECK (VALUE >= 0);
+ALTER DOMAIN credit_reservation_quoted_amount ADD CONSTRAINT credit_reservation_quoted_amount_check CHECK (VALUE >= 0);
+ALTER DOMAIN credit_reservation_reserved_amount ADD CONSTRAINT credit_reservation_reserved_nonneg CHECK (VALUE >= 0);
+ALTER DOMAIN credit_reservation_settled_amount ADD CONSTRAINT credit_reservation_settled_nonneg CHECK (VALUE >= 0);
+ALTER DOMAIN credit_reservation_released_amount ADD CONSTRAINT credit_reservation_released_nonneg CHECK (VALUE >= 0);
+ALTER DOMAIN credit_reservation_refunded_amount ADD CONSTRAINT credit_reservation_refunded_nonneg CHECK (VALUE >= 0);
+ALTER DOMAIN credit_reservation_state ADD CONSTRAINT credit_reservation_state_check CHECK (VALUE = ANY (ARRAY['ACTIVE', 'PARTIALLY_SETTLED', 'SETTLED', 'RELEASED', 'PARTIALLY_REFUNDED', 'REFUNDED']));
+ALTER DOMAIN generation_charge_quoted_amount ADD CONSTRAINT generation_charge_quoted_amount_check CHECK (VALUE >= 0);
+ALTER DOMAIN generation_charge_max_reserve_amount ADD CONSTRAINT generation_charge_max_reserve_amount_check CHECK (VALUE >= 0);
+ALTER DOMAIN generation_charge_final_charge_amount ADD CONSTRAINT generation_charge_final_charge_amount_check CHECK (VALUE >= 0);
+ALTER DOMAIN generation_charge_charge_version ADD CONSTRAINT generation_charge_charge_version_check CHECK (VALUE >= 1);
+ALTER DOMAIN generation_charge_absorbed_amount ADD CONSTRAINT generation_charge_absorbed_amount_check CHECK (VALUE >= 0);
+ALTER DOMAIN generation_charge_delivered_seconds ADD CONSTRAINT generation_charge_delivered_seconds_check CHECK (VALUE >= 0);
+ALTER DOMAIN generation_task_queue_class ADD CONSTRAINT generation_task_queue_class_check CHECK (VALUE = ANY (ARRAY['ENTERPRISE_RESERVED', 'PAID_SHARED', 'STANDARD', 'BEST_EFFORT', 'EXPENSIVE', 'RECOVERY']));
+ALTER DOMAIN generation_task_state ADD CONSTRAINT generation_task_state_check CHECK (VALUE = ANY (ARRAY['QUEUED', 'DISPATCHING', 'SUBMITTED', 'RUNNING', 'SUBMIT_UNKNOWN', 'CANCEL_REQUESTED', 'PROVIDER_SUCCEEDED', 'MEDIA_PROCESSING', 'SUCCEEDED', 'FAILED', 'CANCELLED', 'MEDIA_INGEST_FAILED', 'MANUAL_REVIEW']));
+ALTER DOMAIN generation_task_version ADD CONSTRAINT generation_task_version_check CHECK (VALUE >= 0);
+ALTER DOMAIN generation_task_fairness_units ADD CONSTRAINT generation_task_fairness_units_check CHECK (VALUE >= 0);
+ALTER DOMAIN generation_task_provider_slot_units ADD CONSTRAINT generation_task_provider_slot_units_check CHECK (VALUE >= 0);
+ALTER DOMAIN generation_task_estimated_cost_units ADD CONSTRAINT generation_task_estimated_cost_units_check CHECK (VALUE >= 0);
+ALTER DOMAIN generation_task_idempotency_key ADD CONSTRAINT generation_task_idempotency_key_length CHECK ((char_length(VALUE) >= 1) AND (char_length(VALUE) <= 255));
+ALTER DOMAIN generation_task_mode ADD CONSTRAINT generation_task_mode_check CHECK (VALUE = ANY (ARRAY['text_to_video', 'image_to_video', 'video_to_video', 'extend']));
+ALTER DOMAIN generation_task_duration_seconds ADD CONSTRAINT generation_task_duration_seconds_check CHECK (VALUE > 0);
+ALTER DOMAIN generation_task_resolution ADD CONSTRAINT generation_task_resolution_check CHECK (VALUE = ANY (ARRAY['480p', '720p', '1080p', '4k']));
+ALTER DOMAIN generation_task_gpu_units ADD CONSTRAINT generation_task_gpu_units_check CHECK (VALUE >= 0);
+ALTER DOMAIN generation_task_media_units ADD CONSTRAINT generation_task_media_units_check CHECK (VALUE >= 0);
+ALTER DOMAIN generation_task_base_priority_band ADD CONSTRAINT generation_task_base_priority_band_check CHECK ((VALUE >= 0) AND (VALUE <= 4));
+ALTER DOMAIN generation_task_aging_promotions ADD CONSTRAINT generation_task_aging_promotions_check CHECK (VALUE >= 0);
+ALTER DOMAIN generation_task_skip_count ADD CONSTRAINT generation_task_skip_count_check CHECK (VALUE >= 0);
+ALTER DOMAIN generation_task_capacity_mode ADD CONSTRAINT generation_task_capacity_mode_check CHECK (VALUE = ANY (ARRAY['NORMAL', 'BORROWED']));
+ALTER DOMAIN idempotency_record_idempotency_key ADD CONSTRAINT idempotency_record_key_length CHECK ((char_length(VALUE) >= 1) AND (char_length(VALUE) <= 255));
+ALTER DOMAIN idempotency_record_status ADD CONSTRAINT idempotency_record_status_check CHECK (VALUE = ANY (ARRAY['IN_PROGRESS', 'COMPLETED']));
+ALTER DOMAIN ledger_entry_bucket ADD CONSTRAINT ledger_entry_bucket_check CHECK (VALUE = ANY (ARRAY['AVAILABLE', 'RESERVED', 'CONSUMED', 'ISSUED', 'EXPIRED']));
+ALTER DOMAIN ledger_entry_amount_delta ADD CONSTRAINT ledger_entry_amount_nonzero CHECK (VALUE <> 0);
+ALTER DOMAIN ledger_transaction_business_key ADD CONSTRAINT ledger_transaction_business_key_check CHECK (char_length(VALUE) > 0);
+ALTER DOMAIN ledger_transaction_event_type ADD CONSTRAINT ledger_transaction_event_type_check CHECK (VALUE = ANY (ARRAY['GRANT', 'RESERVE', 'SETTLE', 'RELEASE', 'REFUND', 'COMPENSATE', 'EXPIRE', 'ADJUST']));
+ALTER DOMAIN outbox_event_status ADD CONSTRAINT outbox_event_status_check CHECK (VALUE = ANY (ARRAY['PENDING', 'PUBLISHED', 'FAILED']));
+ALTER DOMAIN outbox_event_attempts ADD CONSTRAINT outbox_event_attempts_check CHECK (VALUE >= 0);
+ALTER DOMAIN reservation_allocation_amount ADD CONSTRAINT reservation_allocation_amount_positive CHECK (VALUE > 0);
+ALTER DOMAIN reservation_allocation_released_amount ADD CONSTRAINT reservation_allocation_released_amount_check CHECK (VALUE >= 0);
+ALTER DOMAIN reservation_allocation_settled_amount ADD CONSTRAINT reservation_allocation_settled_amount_check CHECK (VALUE >= 0);
+ALTER DOMAIN tenant_cost_window_window_kind ADD CONSTRAINT tenant_cost_window_window_kind_check CHECK (VALUE = ANY (ARRAY['MINUTE', 'DAY']));
+ALTER DOMAIN tenant_cost_window_cost_units ADD CONSTRAINT tenant_cost_window_cost_units_check CHECK (VALUE >= 0);
+ALTER DOMAIN wallet_account_account_type ADD CONSTRAINT wallet_account_type_check CHECK (VALUE = ANY (ARRAY['PREPAID', 'SUBSCRIPTION', 'POSTPAID']));
+ALTER DOMAIN wallet_account_reserved_amount ADD CONSTRAINT wallet_account_reserved_nonneg CHECK (VALUE >= 0);
+ALTER DOMAIN wallet_account_credit_limit_amount ADD CONSTRAINT wallet_account_credit_limit_nonneg CHECK (VALUE >= 0);
+ALTER DOMAIN wallet_account_consumed_amount ADD CONSTRAINT wallet_account_consumed_nonneg CHECK (VALUE >= 0);
 
 CREATE TRIGGER generation_task_queue_usage_insert AFTER INSERT ON generation_task
     FOR EACH ROW WHEN (NEW.state = 'QUEUED') EXECUTE FUNCTION aivedio_task_queue_usage();
@@ -269,10 +275,13 @@ CREATE TRIGGER generation_task_queue_usage_update AFTER UPDATE ON generation_tas
 CREATE TRIGGER generation_task_queue_usage_delete AFTER DELETE ON generation_task
     FOR EACH ROW WHEN (OLD.state = 'QUEUED') EXECUTE FUNCTION aivedio_task_queue_usage();
 
--- 2. The balance of a ledger transaction, checked once, at commit.
+-- 2. The balance of a ledger transaction, checked once, at commit (the errors keep their constraint
+-- names: ledger_transaction_has_entries, ledger_entry_balanced).
 DROP TRIGGER ledger_entry_balanced ON ledger_entry;
 DROP FUNCTION ledger_entry_assert_balanced();
-CREATE OR REPLACE FUNCTION ledger_transaction_assert_has_entries() RETURNS trigger
+DROP TRIGGER ledger_transaction_has_entries ON ledger_transaction;
+DROP FUNCTION ledger_transaction_assert_has_entries();
+CREATE FUNCTION ledger_transaction_assert_balanced() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
     n bigint;
@@ -290,6 +299,10 @@ BEGIN
     RETURN NULL;
 END;
 $$;
+CREATE CONSTRAINT TRIGGER ledger_transaction_balanced
+    AFTER INSERT ON ledger_transaction
+    DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION ledger_transaction_assert_balanced();
 
 -- 3. Fewer foreign-key checks for the same guarantees (each check is a query of its own).
 -- An allocation's reservation, of its tenant: one key instead of two, and the tenant is now the
@@ -304,11 +317,19 @@ ALTER TABLE reservation_allocation
 -- in another. The transaction now carries its wallet's unit, so one key of the entry's names its
 -- transaction, tenant, wallet and unit, and the transaction's own key names the wallet by all
 -- three: the same guarantee, one check per entry less. A reversal names its original the same way.
--- The backfill edits the append-only header rows once, here, with their guard off.
-ALTER TABLE ledger_transaction ADD COLUMN unit_code text;
+-- The entry's key names one thing more, the database transaction that wrote it: header and entry
+-- carry its id (created_xid, pg_current_xact_id() by default), so an entry appended to a committed
+-- transaction is refused, as the balance trigger per entry used to refuse an unbalanced one
+-- (section 2 checks the balance once per transaction, at commit). Rows from before this migration
+-- keep a null id: their keys are not checked again. The backfill edits the append-only header rows
+-- once, here, with their guard off; the columns get their default after they are added, so nothing
+-- is rewritten.
+ALTER TABLE ledger_transaction ADD COLUMN unit_code text, ADD COLUMN created_xid xid8;
+ALTER TABLE ledger_entry ADD COLUMN created_xid xid8;
+ALTER TABLE ledger_transaction ALTER COLUMN created_xid SET DEFAULT pg_current_xact_id();
+ALTER TABLE ledger_entry ALTER COLUMN created_xid SET DEFAULT pg_current_xact_id();
 ALTER TABLE ledger_transaction DISABLE TRIGGER ledger_transaction_append_only;
 UPDATE ledger_transaction t SET unit_code = w.unit_code FROM wallet_account w WHERE w.wallet_id = t.wallet_id;
-SET CONSTRAINTS ALL IMMEDIATE;  -- the update's queued trigger events fire now: a table with some pending cannot be altered
 ALTER TABLE ledger_transaction ENABLE TRIGGER ledger_transaction_append_only;
 ALTER TABLE ledger_transaction ALTER COLUMN unit_code SET NOT NULL;
 ALTER TABLE ledger_entry DROP CONSTRAINT ledger_entry_txn_fk, DROP CONSTRAINT ledger_entry_wallet_unit_fk;
@@ -317,12 +338,14 @@ ALTER TABLE ledger_transaction
     DROP CONSTRAINT ledger_transaction_wallet_fk,
     DROP CONSTRAINT ledger_transaction_txn_wallet_key,
     ADD CONSTRAINT ledger_transaction_txn_wallet_unit_key UNIQUE (ledger_txn_id, tenant_id, wallet_id, unit_code),
+    ADD CONSTRAINT ledger_transaction_txn_xact_key UNIQUE (ledger_txn_id, tenant_id, wallet_id, unit_code, created_xid),
     ADD CONSTRAINT ledger_transaction_wallet_fk FOREIGN KEY (tenant_id, wallet_id, unit_code)
         REFERENCES wallet_account (tenant_id, wallet_id, unit_code) DEFERRABLE INITIALLY DEFERRED,
     ADD CONSTRAINT ledger_transaction_reversal_fk FOREIGN KEY (reversal_of, tenant_id, wallet_id, unit_code)
         REFERENCES ledger_transaction (ledger_txn_id, tenant_id, wallet_id, unit_code) DEFERRABLE INITIALLY DEFERRED;
-ALTER TABLE ledger_entry ADD CONSTRAINT ledger_entry_txn_fk FOREIGN KEY (ledger_txn_id, tenant_id, wallet_id, unit_code)
-    REFERENCES ledger_transaction (ledger_txn_id, tenant_id, wallet_id, unit_code) DEFERRABLE INITIALLY DEFERRED;
+ALTER TABLE ledger_entry ADD CONSTRAINT ledger_entry_txn_fk
+    FOREIGN KEY (ledger_txn_id, tenant_id, wallet_id, unit_code, created_xid)
+    REFERENCES ledger_transaction (ledger_txn_id, tenant_id, wallet_id, unit_code, created_xid) DEFERRABLE INITIALLY DEFERRED;
 -- A header's tenant and unit default from its wallet, an entry's wallet, tenant and unit from its
 -- header, as before (the writers of this project pass them all).
 CREATE FUNCTION ledger_transaction_defaults() RETURNS trigger
@@ -379,10 +402,12 @@ $$;
 -- read the tenant's queued tasks and units as the sum of task_queue_usage (0190), a row per user and
 -- lane: a tenant of two thousand users summed two thousand rows on every admission, under the
 -- wallet's lock. The user's own limits need the user's rows only; the tenant's limits now read
--- tenant_queue_usage, the same counts per lane in 16 rows (a user's tasks count in the shard its id
--- hashes to), kept by the same trigger in the same transaction, so both stay exact. Shards, not one
--- row per tenant and lane: a partitioned wallet's admissions run side by side (0195's slots), and one
--- row that each of them updated would make them wait for each other's commits again.
+-- tenant_queue_usage, the same counts per lane in at most 64 rows (a user's tasks count in the shard
+-- its id hashes to), kept by the same trigger in the same transaction, so both stay exact. Shards,
+-- not one row per tenant and lane: a partitioned wallet's admissions run side by side (0195's slots),
+-- and one row that each of them updated would make them wait for each other's commits again; with
+-- a power of two of up to 64 slots, a slot's users are a shard's (slot and shard take the same
+-- hash). The checks read the sum of the shards, so a shard's own count may be anything.
 -- (No task changes state while the counts are copied and the trigger switched: section 1's ALTER
 -- holds generation_task's lock until commit.)
 
@@ -395,9 +420,9 @@ CREATE TABLE tenant_queue_usage (
     PRIMARY KEY (tenant_id, queue_class, shard)
 );
 
--- The shard of a user's tasks: 16 of them (a constant: changing it moves every row).
+-- The shard of a user's tasks, of 64.
 CREATE FUNCTION aivedio_queue_shard(p_user uuid) RETURNS smallint
-LANGUAGE sql IMMUTABLE AS $$ SELECT (hashtext(p_user::text) & 15)::smallint $$;
+LANGUAGE sql IMMUTABLE AS $$ SELECT (hashtext(p_user::text) & 63)::smallint $$;
 
 INSERT INTO tenant_queue_usage (tenant_id, queue_class, shard, queued_tasks, queued_units)
 SELECT tenant_id, queue_class, aivedio_queue_shard(user_id), sum(queued_tasks), sum(queued_units)
@@ -436,13 +461,17 @@ $$;
 -- 6. A POSTPAID wallet can be partitioned too (an enterprise's contract wallet is the hot one): it
 -- has no credit lots, so its slots' allowances are of no lot (lot_id null), carved from its credit
 -- line within the credit limit and the period's contract budget. One allowance row per wallet, slot
--- and lot still, a null lot being one lot.
+-- and lot still, a null lot being one lot: the primary key names the lot by lot_key, the lot or the
+-- nil uuid (a key column cannot be null, and logical replication needs a key).
 ALTER TABLE wallet_allowance
     DROP CONSTRAINT wallet_allowance_pkey,
     ALTER COLUMN lot_id DROP NOT NULL,
-    ADD CONSTRAINT wallet_allowance_wallet_slot_lot_key UNIQUE NULLS NOT DISTINCT (wallet_id, slot, lot_id);
+    ADD COLUMN lot_key uuid GENERATED ALWAYS AS (coalesce(lot_id, '00000000-0000-0000-0000-000000000000')) STORED,
+    ADD PRIMARY KEY (wallet_id, slot, lot_key);
 
--- 7. 0195's function, in fewer statements. The same parameters, answers, checks, locks and writes.
+-- 7. 0195's function, in fewer statements: the same parameters, answers, checks, locks and writes,
+-- but that a slot short of a task answers SLOT_SHORT for the merged path (a second call, the refill's
+-- only), and that a POSTPAID wallet can be partitioned.
 DROP FUNCTION aivedio_admit;
 CREATE FUNCTION aivedio_admit(
     p_tenant uuid, p_user uuid, p_task uuid, p_key text, p_hash text, p_claimed boolean,
@@ -504,6 +533,10 @@ BEGIN
     -- The deferred foreign keys checked at the end of each statement, inside this function (and with
     -- its plans), not at commit: every parent is written before or with its children here. The call
     -- is its transaction (aivedio.admission.write), so nothing else is checked earlier for it.
+    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
+        RAISE EXCEPTION 'aivedio_admit runs alone in its transaction' USING ERRCODE = 'P0001',
+            DETAIL = 'it sets the deferred constraints immediate for the rest of the transaction';
+    END IF;
     SET CONSTRAINTS ALL IMMEDIATE;
     decision := 'ACCEPTED';
     queue_class := p_queue_class;
@@ -828,7 +861,7 @@ BEGIN
                  WHERE a.wallet_id = w.wallet_id)
             INSERT INTO wallet_allowance AS a (wallet_id, slot, lot_id, tenant_id, amount)
             SELECT w.wallet_id, v_slot, u.lot_id, p_tenant, u.part FROM unnest(v_carve_lots, v_carve_parts) AS u(lot_id, part)
-            ON CONFLICT (wallet_id, slot, lot_id) DO UPDATE SET amount = a.amount + excluded.amount;
+            ON CONFLICT (wallet_id, slot, lot_key) DO UPDATE SET amount = a.amount + excluded.amount;
             v_txn := gen_random_uuid();
         END IF;
         v_need := p_amount - (SELECT coalesce(sum(a.amount), 0) FROM wallet_allowance a LEFT JOIN credit_lot l USING (lot_id)
@@ -845,7 +878,7 @@ BEGIN
                  WHERE a.wallet_id = w.wallet_id AND a.slot = v_lot.slot AND a.lot_id IS NOT DISTINCT FROM v_lot.lot_id;
                 INSERT INTO wallet_allowance AS a (wallet_id, slot, lot_id, tenant_id, amount)
                 VALUES (w.wallet_id, v_slot, v_lot.lot_id, p_tenant, v_part_amount)
-                ON CONFLICT (wallet_id, slot, lot_id) DO UPDATE SET amount = a.amount + excluded.amount;
+                ON CONFLICT (wallet_id, slot, lot_key) DO UPDATE SET amount = a.amount + excluded.amount;
                 v_need := v_need - v_part_amount;
             END LOOP;
         END IF;
