@@ -28,7 +28,7 @@ select coalesce(s.queue_class, t.queue_class) as queue_class, coalesce(s.tasks, 
 
 
 def test_the_tenants_counts_equal_its_queued_tasks_in_at_most_64_rows_per_lane(platform, conn):
-    t = new_tenant(platform)
+    t = new_tenant(platform, credits=100_000)
     users = [t] + [second_user(platform, t) for _ in range(89)]
     ids = [json.loads(admit(platform, u.caller, GenerationRequest(**BODY), BODY, uuid.uuid4().hex).body)["task_id"]
            for u in users for _ in range(2)]
