@@ -139,6 +139,26 @@ def drop_test_database(url: str) -> None:
         c.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)))
 
 
+def database_migrated_before(tmp_path, version: int, label: str) -> str:
+    """A new database with every migration before `version` applied, for a test of that migration
+    over rows the schema before it wrote; its URL (drop_test_database drops it)."""
+    import shutil
+
+    from aivedio.db.migrate import MIGRATIONS_DIR, migrate
+
+    older = tmp_path / f"before_{version:04d}"
+    older.mkdir()
+    for f in MIGRATIONS_DIR.glob("[0-9][0-9][0-9][0-9]_*.sql"):
+        if int(f.name[:4]) < version:
+            shutil.copy(f, older / f.name)
+    name = f"aivedio_t_{os.getpid()}_{label[:20]}_{uuid.uuid4().hex[:8]}".lower()
+    with psycopg.connect(admin_url(), autocommit=True) as c:
+        c.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
+    url = _with_db(admin_url(), name)
+    migrate(url, older)
+    return url
+
+
 @pytest.fixture(scope="module")
 def db_url(request) -> str:
     url = create_test_database(request.module.__name__.rsplit(".", 1)[-1].replace("test_", ""))

@@ -7,7 +7,6 @@ function it defines runs alone in its transaction."""
 from __future__ import annotations
 
 import json
-import shutil
 import uuid
 
 import psycopg
@@ -20,9 +19,9 @@ from aivedio.billing import lots
 from aivedio.billing.wallet_checks import check_wallet
 from aivedio.config import PlatformConfig, Settings
 from aivedio.context import build_platform
-from aivedio.db.migrate import MIGRATIONS_DIR, migrate
+from aivedio.db.migrate import migrate
 from tests.admission_support import BODY, GENEROUS, Tenant
-from tests.conftest import _with_db, admin_url, drop_test_database
+from tests.conftest import database_migrated_before, drop_test_database
 
 MIGRATION = 230
 CREDITS = 10_000
@@ -46,17 +45,8 @@ def _grant_the_old_way(conn, wallet: dict) -> None:
 def test_the_migration_keeps_a_tenants_money_and_queue_and_admission_goes_on(tmp_path, redis_url, redis_prefix):
     from aivedio.admin.tenants import create_tenant
 
-    older = tmp_path / "before_0230"
-    older.mkdir()
-    for f in MIGRATIONS_DIR.glob("[0-9][0-9][0-9][0-9]_*.sql"):
-        if int(f.name[:4]) < MIGRATION:
-            shutil.copy(f, older / f.name)
-    name = f"aivedio_t_mig230_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin_url(), autocommit=True) as c:
-        c.execute(f'create database "{name}"')
-    url = _with_db(admin_url(), name)
+    url = database_migrated_before(tmp_path, MIGRATION, "mig230")
     try:
-        migrate(url, older)
         p = build_platform(Settings(database_url=url, redis_url=redis_url, redis_prefix=redis_prefix), PlatformConfig(),
                            pool_size=2)
         try:

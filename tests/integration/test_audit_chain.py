@@ -6,8 +6,6 @@ rows that existed before it; the audit routes. Tampering tests each get a databa
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -20,9 +18,9 @@ from psycopg.rows import dict_row
 from aivedio.admin import audit, rbac
 from aivedio.admin.audit import list_audit, verify
 from aivedio.admin.operators import create_operator
-from aivedio.db.migrate import MIGRATIONS_DIR, migrate
+from aivedio.db.migrate import migrate
 from aivedio.errors import InvalidRequest
-from tests.conftest import _with_db, admin_url, create_test_database, drop_test_database
+from tests.conftest import create_test_database, database_migrated_before, drop_test_database
 
 
 @pytest.fixture
@@ -236,17 +234,8 @@ def test_the_cli_lists_and_verifies_as_typed(fresh_url):
 
 
 def test_the_migration_chains_the_rows_that_were_there_before_it(tmp_path):
-    older = tmp_path / "before_0150"
-    older.mkdir()
-    for f in MIGRATIONS_DIR.glob("[0-9][0-9][0-9][0-9]_*.sql"):
-        if int(f.name[:4]) < 150:
-            shutil.copy(f, older / f.name)
-    name = f"aivedio_t_{os.getpid()}_backfill_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin_url(), autocommit=True) as c:
-        c.execute(f'create database "{name}"')
-    url = _with_db(admin_url(), name)
+    url = database_migrated_before(tmp_path, 150, "backfill")
     try:
-        migrate(url, older)
         with psycopg.connect(url) as c:
             for i in range(4):
                 c.execute("insert into audit_log (operator, action, target, new_value, created_at) "
