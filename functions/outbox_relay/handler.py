@@ -6,7 +6,8 @@ is always relaying. Locally the `outbox-relay` loop calls it at the same interva
 Events come in chains: a TaskQueued is followed within milliseconds by its claim's
 TaskDispatchRequested, a terminal event by the next claim on the freed slot, written by processes
 that may not be able to wake the relay. So after a pass that published, the relay polls every
-HOT_POLL_SECONDS for HOT_SECONDS (in both runtimes) before it goes back to its idle interval.
+RELAY_HOT_POLL_SECONDS for RELAY_HOT_SECONDS (aivedio.outbox, in both runtimes) before it goes back
+to its idle interval.
 
 In AWS each event goes to the SQS queue configured for its type (AIVEDIO_EVENT_QUEUES, with "*" as
 a catch-all). The local runtime puts an in-process deliver() in platform.extras instead. Once a
@@ -29,8 +30,6 @@ from aivedio.wakeups import ContinuousRun
 BATCH = 100
 BACKLOG_EVERY_SECONDS = 60.0  # the backlog gauge costs a count: once a minute per process
 RESERVE_MILLIS = 5_000  # stop starting batches this close to the timeout, so none is cut short
-HOT_SECONDS = RELAY_HOT_SECONDS  # after a pass that published, poll every HOT_POLL_SECONDS this long (real seconds)
-HOT_POLL_SECONDS = RELAY_HOT_POLL_SECONDS  # writers count on it: they wake the relay at most this often
 
 
 @cache
@@ -76,9 +75,9 @@ def lambda_handler(event: dict, context) -> dict:
         if n == BATCH and run.seconds_left() > 0:
             continue  # a full batch: more are due now
         if n:
-            hot_until = time.monotonic() + HOT_SECONDS
+            hot_until = time.monotonic() + RELAY_HOT_SECONDS
         if time.monotonic() < hot_until and run.seconds_left() > 0:
-            run.pause(HOT_POLL_SECONDS)  # what this batch causes is usually written within milliseconds
+            run.pause(RELAY_HOT_POLL_SECONDS)  # what this batch causes is usually written within milliseconds
             continue
         if not run.idle():
             return {"published": published}

@@ -1,11 +1,10 @@
 """Admission's write path in one round trip: one call of the aivedio_admit function (migration
-0190, with the slots of partitioned wallets since 0195, rewritten for its cost in 0230), which
-locks the wallet (or, for a
-partitioned wallet, the admitting user's slot), checks the idempotency record, the queue limits,
-the cost windows, the expected wait and the credit under that lock, and writes the COMPLETED
-idempotency record, the task, the RESERVE across credit lots (reservation, allocations, ledger
-transaction and entries, wallet snapshot, or the slot's allowance), the charge snapshot, the cost
-windows and the TaskQueued outbox row. A refusal writes nothing: the function only reads and
+0190, with the slots of partitioned wallets since 0195, rewritten for its cost in 0230), which locks
+the wallet (or, for a partitioned wallet, the admitting user's slot), checks the idempotency record,
+the queue limits, the cost windows, the expected wait and the credit under that lock, and writes the
+COMPLETED idempotency record, the task, the RESERVE across credit lots (reservation, allocations,
+ledger transaction and entries, wallet snapshot, or the slot's allowance), the charge snapshot, the
+cost windows and the TaskQueued outbox row. A refusal writes nothing: the function only reads and
 locks before its first write.
 
 The call runs alone on an autocommit connection, so the statement is the whole transaction and
