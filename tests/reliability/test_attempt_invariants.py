@@ -51,6 +51,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -238,6 +239,23 @@ def big_config(sim_url: str) -> PlatformConfig:
                           scheduler=SchedulerConfig(tick_budget_seconds=0.5, batch_size=4))
 
 
+def _named(db_url: str, name: str) -> str:
+    """The URL with an application_name: the test finds a process's database sessions by it."""
+    parts = urlsplit(db_url)
+    return urlunsplit(parts._replace(query="&".join(q for q in (parts.query, f"application_name={name}") if q)))
+
+
+def _sessions_gone(conn, name: str, timeout: float) -> bool:
+    """Whether the sessions named `name` all ended within `timeout` s. A killed process's session
+    that was running a statement (a COMMIT already sent, say) finishes it first, then ends."""
+    end = time.monotonic() + timeout
+    while conn.execute("select count(*) as n from pg_stat_activity where application_name = %s", (name,)).fetchone()["n"]:
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def runtime_main(role, idx, db_url, redis_url, prefix, cfg_json, loop_names, pool_size, workers, events, stop) -> None:
     """A platform process: LocalRuntime (API server, workflow runner) with only the loops named."""
     try:
@@ -246,7 +264,7 @@ def runtime_main(role, idx, db_url, redis_url, prefix, cfg_json, loop_names, poo
 
         _quiet()
         config = PlatformConfig.model_validate(cfg_json)
-        p = _platform(db_url, redis_url, prefix, config, pool_size)
+        p = _platform(_named(db_url, f"{role}-{idx}"), redis_url, prefix, config, pool_size)
         loops = [Loop(s.name, s.local_interval(config), scheduled(s.name, s.module)) for s in SCHEDULES if s.name in loop_names]
         # A process started while claims and releases run can lose a deadlock in the config's
         # bootstrap (see test_a_process_start_under_load_neither_deadlocks_nor_lifts_limits): retried
@@ -424,11 +442,15 @@ def test_two_thousand_tasks_under_provider_faults(fresh_db, redis_url, redis_pre
         victim_key = running.most_common(1)[0][0]
         kill.update(victim=f"{victim_key[0]}-{victim_key[1]}", its_jobs_running_at_provider=running[victim_key])
         victim = procs.pop(victim_key)
+        assert not _sessions_gone(conn, f"{victim_key[0]}-{victim_key[1]}", 0), "the victim's sessions are not named"
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(10)
         assert victim.exitcode == -signal.SIGKILL
         kill["at_s"] = round(time.monotonic() - t0, 1)
         kill["at_db"] = conn.execute("select now() as t").fetchone()["t"]
+        # What the victim left live is read once its sessions have ended: a transaction it had already
+        # committed from its side (an attempt it ended, say) may land after the kill.
+        assert _sessions_gone(conn, f"{victim_key[0]}-{victim_key[1]}", 30), "the killed dispatcher's sessions did not end"
         kill["terminal_at_kill"] = terminal()
         kill["live_after_kill"] = {r["attempt_id"]: r for r in conn.execute(
             """select attempt_id, task_id, state, provider_request_key, provider_job_id, recoveries from task_attempt
