@@ -1,9 +1,12 @@
 """Admission in one round trip (issue 15, part 2): the write path is one call of aivedio_admit
 (migration 0190), over the real PostgreSQL and Redis.
 
-- an admission sends two statements in two round trips (the policy with the key's record, then the
-  call), no BEGIN or COMMIT, and one Redis command for both submit buckets;
-- a replay sends the first statement only;
+- an admission sends one statement in one round trip (the call: the policy comes from the process's
+  cache, and the call reads the key's record), no BEGIN or COMMIT, and one Redis command for both
+  submit buckets;
+- a replay is the same call, answered by the record, and gives its rate tokens back; a replay
+  refused by the rates answers its record all the same;
+- a policy changed since the process cached it applies to the next admission (migration 0240);
 - the function's expected wait is queue_stats.expected_wait_seconds, and the body it stores is what
   json.dumps writes;
 - the rate buckets in one call refuse like separate calls: a refused user bucket leaves the tenant
@@ -22,7 +25,8 @@ import pytest
 from aivedio.admission import queue_stats, rate_limits
 from aivedio.admission.models import GenerationRequest
 from aivedio.admission.queue_stats import LaneStats
-from aivedio.admission.service import admit
+from aivedio.admission.decisions import Rejected
+from aivedio.admission.service import IdempotencyKeyReused, admit
 from aivedio.bench.profile import count_trace
 from tests.admission_support import BODY, new_tenant
 
@@ -57,15 +61,19 @@ def redis_counted(platform):
     return calls
 
 
-def test_an_admission_is_two_statements_in_two_round_trips_and_one_redis_call(make_platform, conn):
+def user_tokens(platform, t) -> float:
+    return float(platform.cache.r.hget(platform.cache.key("rate", f"user:{t.caller.user_id}:submit"), "tokens"))
+
+
+def test_an_admission_is_one_statement_in_one_round_trip_and_one_redis_call(make_platform, conn):
     p = make_platform(pool_size=1)  # one connection: everything admission sends is traced
     t = new_tenant(p)
     req = GenerationRequest(**BODY)
-    admit(p, t.caller, req, BODY, "warm")  # caches: price version, lane figures, outbox state
+    admit(p, t.caller, req, BODY, "warm")  # caches: policy, price version, lane figures, outbox state
     calls = redis_counted(p)
     got, counts, text = traced(p, lambda: admit(p, t.caller, req, BODY, "measured"))
     assert got.status == 202 and not got.replayed
-    assert counts == {"statements": 2, "transaction_commands": 0, "round_trips": 2}, text
+    assert counts == {"statements": 1, "transaction_commands": 0, "round_trips": 1}, text
     assert "aivedio_admit" in text
     assert len(calls) == 1 and calls[0].upper() in ("EVALSHA", "EVAL"), calls
     # What the one call wrote is everything an admission writes.
@@ -77,11 +85,59 @@ def test_an_admission_is_two_statements_in_two_round_trips_and_one_redis_call(ma
     assert conn.execute("select count(*) as n from outbox_event where aggregate_id = %s and event_type = 'TaskQueued'",
                         (task_id,)).fetchone()["n"] == 1
 
+    tokens = user_tokens(p, t)
     calls.clear()
     again, counts, text = traced(p, lambda: admit(p, t.caller, req, BODY, "measured"))
     assert again.replayed and again.body == got.body
     assert counts == {"statements": 1, "transaction_commands": 0, "round_trips": 1}, text
-    assert calls == []  # a replay spends no rate
+    # A replay spends no rate: the tokens it took are given back (the bucket refills meanwhile, up
+    # to its capacity; without the give-back it would hold one token less).
+    assert len(calls) == 2, calls
+    assert min(tokens + 1, 10_000) - 0.5 < user_tokens(p, t) <= 10_000, (tokens, user_tokens(p, t))
+
+
+@pytest.mark.parametrize("rate, decision", [("user_submit_rate_per_minute", "REJECT_USER_RATE_LIMIT"),
+                                            ("tenant_submit_rate_per_minute", "REJECT_TENANT_RATE_LIMIT")])
+def test_a_replay_refused_by_the_rates_answers_its_record(platform, conn, rate, decision):
+    t = new_tenant(platform, **{rate: 1})
+    req = GenerationRequest(**BODY)
+    first = admit(platform, t.caller, req, BODY, "k1")
+    with pytest.raises(Rejected) as e:
+        admit(platform, t.caller, req, BODY, "k2")
+    assert e.value.decision == decision
+    tokens = user_tokens(platform, t)
+    again = admit(platform, t.caller, req, BODY, "k1")
+    assert again.replayed and again.body == first.body
+    # The user's bucket gave before the tenant's refused: its token is given back too.
+    assert user_tokens(platform, t) > tokens - 0.5
+    with pytest.raises(IdempotencyKeyReused):  # the record's refusal, too: the key with another body
+        admit(platform, t.caller, GenerationRequest(**{**BODY, "prompt": "other"}), {**BODY, "prompt": "other"}, "k1")
+    assert conn.execute("select count(*) as n from generation_task where tenant_id = %s", (t.tenant_id,)).fetchone()["n"] == 1
+
+
+def test_a_policy_changed_after_the_process_cached_it_applies_to_the_next_admission(make_platform, conn):
+    p = make_platform(pool_size=1)
+    t = new_tenant(p)
+    req = GenerationRequest(**BODY)
+    admit(p, t.caller, req, BODY, "cached")  # the policy is cached now, for a second
+    # Another process changes the policy, as aivedio.admin.policy does: with its version.
+    conn.execute("""update tenant_scheduling_policy set max_queued_tasks = 1, policy_version = policy_version + 1
+                     where tenant_id = %s""", (t.tenant_id,))
+    refused, counts, text = traced(p, lambda: pytest.raises(Rejected, admit, p, t.caller, req, BODY, "over"))
+    assert refused.value.decision == "REJECT_TENANT_QUEUE_FULL"
+    # The call decided under the cached version answered POLICY_STALE, then the policy was read and
+    # the call made again.
+    assert counts == {"statements": 3, "transaction_commands": 0, "round_trips": 3}, text
+    assert conn.execute("select count(*) as n from generation_task where tenant_id = %s", (t.tenant_id,)).fetchone()["n"] == 1
+    # And the function itself refuses a stale version before any write.
+    conn.execute("update tenant_scheduling_policy set max_queued_tasks = 100, policy_version = policy_version + 1 "
+                 "where tenant_id = %s", (t.tenant_id,))
+    got = admit(p, t.caller, req, BODY, "room")
+    assert got.status == 202
+    version = conn.execute("select policy_version from generation_task where task_id = %s",
+                           (uuid.UUID(json.loads(got.body)["task_id"]),)).fetchone()["policy_version"]
+    assert version == conn.execute("select policy_version from tenant_scheduling_policy where tenant_id = %s",
+                                   (t.tenant_id,)).fetchone()["policy_version"]
 
 
 def test_the_stored_body_is_what_json_dumps_writes(platform, conn):
@@ -153,9 +209,8 @@ def test_the_queue_usage_the_limits_read_equals_the_queued_tasks(platform, conn)
     assert rows and all((r["usage_tasks"], r["usage_units"]) == (r["tasks"], r["units"]) for r in rows), rows
     assert sum(r["tasks"] for r in rows) == 6
     # And the limits read it: the user with 3 queued tasks is full at 3.
-    from aivedio.admission.decisions import Rejected
-
-    conn.execute("update tenant_scheduling_policy set max_user_queued_tasks = 3 where tenant_id = %s", (t.tenant_id,))
+    conn.execute("update tenant_scheduling_policy set max_user_queued_tasks = 3, policy_version = policy_version + 1 "
+                 "where tenant_id = %s", (t.tenant_id,))  # a change moves the version (aivedio.admin.policy)
     with pytest.raises(Rejected) as e:
         admit(platform, other.caller, GenerationRequest(**BODY), BODY, "over")
     assert e.value.decision == "REJECT_USER_QUEUE_FULL"
@@ -177,6 +232,7 @@ def test_a_spent_key_answers_before_a_refusal(make_platform, conn):
     # The record expired; the key is still its task's. The wallet is empty too: the key answers.
     with pytest.raises(IdempotencyKeyReused):
         admit(p, t.caller, req, BODY, "once")
-    conn.execute("update tenant_scheduling_policy set max_queued_tasks = 0 where tenant_id = %s", (t.tenant_id,))
+    conn.execute("update tenant_scheduling_policy set max_queued_tasks = 0, policy_version = policy_version + 1 "
+                 "where tenant_id = %s", (t.tenant_id,))
     with pytest.raises(IdempotencyKeyReused):
         admit(p, t.caller, req, BODY, "once")

@@ -114,12 +114,12 @@ def test_the_admission_function_refuses_a_transaction_that_wrote_before_it(platf
     """aivedio_admit makes the deferred constraints immediate for the rest of its transaction, so it
     runs alone in one (aivedio.admission.write calls it on an autocommit connection)."""
     from aivedio.admission import queue_stats, write
-    from aivedio.admission.service import _precheck, prepare
+    from aivedio.admission.service import prepare, tenant_policy
     from tests.admission_support import new_tenant
 
     t = new_tenant(platform)
     req = GenerationRequest(**BODY)
-    _, policy = _precheck(platform, t.tenant_id, "alone")
+    policy = tenant_policy(platform, t.tenant_id)
     est, q = prepare(platform, policy, req)
     params = write.params(platform, t.caller, req, "alone", "h", policy, est, q, task_id=uuid.uuid4(), claimed=False,
                           lane=queue_stats.lane_stats(platform, est.queue_class), best_effort=None)

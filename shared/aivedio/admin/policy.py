@@ -372,7 +372,7 @@ def set_policy(conn: psycopg.Connection, *, operator: str, tenant_id: Any, chang
     row = conn.execute(_update_statement(names), {**typed, "now": now, "tenant_id": t}).fetchone()
     when, version = row["updated_at"], int(row["policy_version"])
     if "service_class" in typed:
-        # admission takes the lane from the tenant row (admission.service.load_policy): keep them one
+        # admission takes the lane from the tenant row (admission.service.tenant_policy): keep them one
         conn.execute(SYNC_TENANT_CLASS, (typed["service_class"], when, t, typed["service_class"]))
     conn.execute(INSERT_HISTORY, (t, version, json.dumps(settable(row)), operator, reason, when))
     # The snapshot (an aggregate over every tenant) before the audit row: the audit insert takes the

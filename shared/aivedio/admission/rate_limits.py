@@ -74,6 +74,13 @@ def take_all(platform, buckets: list[tuple[str, int]], cost: int = 1) -> tuple[i
     return None
 
 
+def give_back(platform, buckets: list[tuple[str, int]], cost: int = 1) -> None:
+    """Give `cost` tokens back to each of the buckets take_all took them from (a request that spent
+    none after all: admission's replay): the same call with the cost negated, which adds them, up to
+    each bucket's capacity."""
+    take_all(platform, [(b, per_minute) for b, per_minute in buckets if per_minute > 0], cost=-cost)
+
+
 def _take_pg(platform, bucket: str, capacity: int, rate_per_ms: float, cost: int) -> RateDecision:
     def fn(conn):
         conn.execute(
@@ -88,7 +95,7 @@ def _take_pg(platform, bucket: str, capacity: int, rate_per_ms: float, cost: int
         tokens = min(float(capacity), row["tokens"] + max(0.0, float(row["elapsed_ms"])) * rate_per_ms)
         allowed = tokens >= cost
         if allowed:
-            tokens -= cost
+            tokens = min(float(capacity), tokens - cost)  # a negative cost gives tokens back, up to the capacity
         conn.execute("update rate_limit_bucket set tokens = %s, updated_at = clock_timestamp() where bucket_key = %s",
                      (tokens, bucket))
         return RateDecision(allowed, 0 if allowed else math.ceil((cost - tokens) / rate_per_ms / 1000))

@@ -3,11 +3,15 @@ estimated start, whether a request enters the platform; if it does, write everyt
 transaction: the completed idempotency record, wallet lock, RESERVE across credit lots, reservation,
 task, charge snapshot and a TaskQueued outbox event. A rejection writes nothing.
 
-The Python side authenticates (the API's gate), validates, reads the policy and the key's record
-in one statement, takes the user's and the tenant's submit rates in one Redis call, estimates and
-quotes, and pre-checks the lane and the provider budgets; the write path is then one call of the
-aivedio_admit function (aivedio.admission.write, migration 0190), which makes every check that must
-hold under the wallet lock (queue limits, cost windows, expected wait, credit) and every write.
+The Python side authenticates (the API's gate), validates, takes the tenant's policy from its
+per-process cache (tenant_policy), takes the user's and the tenant's submit rates in one Redis call,
+estimates and quotes, and pre-checks the lane and the provider budgets; the write path is then one
+call of the aivedio_admit function (aivedio.admission.write, migrations 0190 to 0240), which answers
+a key's record first, refuses a call decided under a policy no longer in force (the caller decides
+again), and makes every check that must hold under the wallet lock (queue limits, cost windows,
+expected wait, credit) and every write: one PostgreSQL round trip. A key's record answers whatever
+came before the call: a replay gives back the rate tokens it took, and a request refused before the
+call asks the record (a round trip on that path only) before it answers with its refusal.
 
 Idempotency (contracts/tenant-api.md) covers the whole request: before any slow work (the input
 probe) a request with inputs claims its key with an IN_PROGRESS idempotency_record, committed on
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -40,7 +45,7 @@ from aivedio.admission.decisions import Rejected
 from aivedio.admission.estimates import Estimate, check_capabilities, estimate
 from aivedio.admission.models import GenerationRequest
 from aivedio.admission import write
-from aivedio.admission.rate_limits import take_all
+from aivedio.admission.rate_limits import give_back, take_all
 from aivedio.auth import Caller
 from aivedio.billing import budgets
 from aivedio.chaos import safeguards
@@ -199,66 +204,118 @@ def admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, idem
     return result
 
 
-# The policy and the key's record in one statement: a replay answers before any rate is spent. Only
-# the policy's columns admission reads (each column more is a value decoded on every request).
-PRECHECK = """select p.tenant_id, t.service_class as tenant_service_class, p.policy_version, p.weight,
-                     p.user_submit_rate_per_minute, p.tenant_submit_rate_per_minute, p.expensive_allowed,
-                     p.allow_best_effort_downgrade, p.max_user_queued_tasks, p.max_user_queued_units, p.max_queued_tasks,
-                     p.max_queued_units, p.max_cost_per_minute, p.max_cost_per_day, p.max_wait_seconds,
-                     r.request_hash as idem_request_hash, r.status as idem_status, r.response_status as idem_response_status,
-                     r.response_body as idem_response_body, r.expires_at as idem_expires_at,
-                     r.locked_until as idem_locked_until
-                from tenant_scheduling_policy p join tenant t using (tenant_id)
-                left join idempotency_record r on r.tenant_id = p.tenant_id and r.idempotency_key = %(k)s
-               where p.tenant_id = %(t)s"""
+# The policy's columns admission reads (each column more is a value decoded on every load).
+SELECT_POLICY = """select p.tenant_id, t.service_class as tenant_service_class, p.policy_version, p.weight,
+                          p.user_submit_rate_per_minute, p.tenant_submit_rate_per_minute, p.expensive_allowed,
+                          p.allow_best_effort_downgrade, p.max_user_queued_tasks, p.max_user_queued_units,
+                          p.max_queued_tasks, p.max_queued_units, p.max_cost_per_minute, p.max_cost_per_day,
+                          p.max_wait_seconds
+                     from tenant_scheduling_policy p join tenant t using (tenant_id)
+                    where p.tenant_id = %(t)s"""
+POLICY_CACHE_SECONDS = 1.0  # as admission's other per-process caches (queue_stats.CACHE_SECONDS)
+POLICY_CACHE_MAX_TENANTS = 10_000  # a flood of tenants clears the cache rather than growing it
+POLICY_TRIES = 3  # calls decided under a policy that changed meanwhile, before giving up
 
 
-def _precheck(platform, tenant_id, key: str) -> tuple[dict | None, dict]:
-    """(the key's record or None, the tenant's policy)."""
-    row = platform.db.fetchone(PRECHECK, {"t": tenant_id, "k": key})
-    if row is None:
+def tenant_policy(platform, tenant_id, *, fresh: bool = False) -> dict:
+    """The tenant's policy as admission reads it, cached per process for POLICY_CACHE_SECONDS. A
+    cached policy never decides alone: aivedio_admit refuses a call decided under a version that is
+    no longer in force (POLICY_STALE, migration 0240), and the caller asks again with fresh=True.
+    Every policy change moves policy_version (aivedio.admin.policy)."""
+    cache = platform.extras.setdefault("admission_policies", {})
+    now = time.monotonic()
+    hit = None if fresh else cache.get(tenant_id)
+    if hit is not None and now - hit[1] < POLICY_CACHE_SECONDS:
+        return hit[0]
+    policy = platform.db.fetchone(SELECT_POLICY, {"t": tenant_id})
+    if policy is None:
         raise RuntimeError(f"tenant {tenant_id} has no scheduling policy")
-    record = None
-    if row["idem_status"] is not None:
-        record = {k[len("idem_"):]: row[k] for k in row if k.startswith("idem_")}
-    return record, {k: v for k, v in row.items() if not k.startswith("idem_")}
+    if len(cache) >= POLICY_CACHE_MAX_TENANTS:
+        cache.clear()
+    cache[tenant_id] = (policy, now)
+    return policy
+
+
+def _answer_of_key(platform, tenant_id, key: str, req_hash: str) -> Admitted | None:
+    """What a record that holds the key answers (its replay, or its refusal raised), else None. Asked
+    when a request is refused before the call, so that a replay answers whatever the rates, the
+    lanes or the config say now, as the call answers it before any check of its own."""
+    record = platform.db.fetchone(SELECT_KEY, (tenant_id, key))
+    if record is None or not holds_key(record, platform.clock.now()):
+        return None
+    return _replay(record, req_hash)
 
 
 def _admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, idempotency_key: str) -> Admitted:
+    """One round trip to PostgreSQL for an admission without inputs: the policy comes from the
+    process's cache and the key's record is read by the call, so the rates are taken before the
+    record is known: a replay gives its tokens back (a replay spends no rate)."""
     key = validate_idempotency_key(idempotency_key)
     if safeguards.broken("idempotency-lock"):
         # A chaos run only: a key of its own per request, so no record or task ever shares it and a
         # duplicate submit makes a second task (the record's lock and the task's unique key both pass).
         key = f"{key[:222]}#{uuid.uuid4().hex}"
     req_hash = request_hash(raw_body)
-    record, policy = _precheck(platform, caller.tenant_id, key)
-    if record is not None and holds_key(record, platform.clock.now()):
-        return _replay(record, req_hash)  # a replay, a key reused or still in progress: no rate spent
-    _check_rates(platform, caller, policy)
+    policy = tenant_policy(platform, caller.tenant_id)
+    try:
+        _check_rates(platform, caller, policy)
+    except Rejected as r:
+        answer = _answer_of_key(platform, caller.tenant_id, key, req_hash)
+        if answer is None:
+            raise
+        if r.decision == "REJECT_TENANT_RATE_LIMIT":  # the user's bucket gave before the tenant's refused
+            _give_back_rates(platform, caller, policy, buckets=1)
+        return answer
     # A request with inputs fetches them (slow): it claims its key first, committed, so a second
     # request with the key answers 409 meanwhile. One without inputs claims it in the one call.
     claimed = bool(req.inputs)
-    token = _claim(platform, caller.tenant_id, key, req_hash) if claimed else uuid.uuid4()
-    if isinstance(token, Admitted):
-        return token
     try:
-        est, q = prepare(platform, policy, req)
-        _check_lane(platform, policy, est)
-        _check_budgets(platform, caller, est)
-        got = write.admit_once(platform, write.params(
-            platform, caller, req, key, req_hash, policy, est, q, task_id=token, claimed=claimed,
-            lane=queue_stats.lane_stats(platform, est.queue_class), best_effort=_best_effort_stats(platform, policy, est)))
+        token = _claim(platform, caller.tenant_id, key, req_hash) if claimed else uuid.uuid4()
+    except (IdempotencyKeyReused, IdempotencyInProgress):
+        _give_back_rates(platform, caller, policy)
+        raise
+    if isinstance(token, Admitted):
+        _give_back_rates(platform, caller, policy)
+        return token
+    refused_before_call = True
+    try:
+        for _ in range(POLICY_TRIES):
+            refused_before_call = True
+            est, q = prepare(platform, policy, req)
+            _check_lane(platform, policy, est)
+            _check_budgets(platform, caller, est)
+            refused_before_call = False
+            try:
+                got = write.admit_once(platform, write.params(
+                    platform, caller, req, key, req_hash, policy, est, q, task_id=token, claimed=claimed,
+                    lane=queue_stats.lane_stats(platform, est.queue_class),
+                    best_effort=_best_effort_stats(platform, policy, est)))
+                break
+            except write.PolicyStale:
+                policy = tenant_policy(platform, caller.tenant_id, fresh=True)
+        else:
+            raise RuntimeError(f"the policy of tenant {caller.tenant_id} changed during each of {POLICY_TRIES} admission calls")
     except write.KeyLost:
         raise IdempotencyInProgress("a request with this Idempotency-Key is still being processed") from None
     except write.KeySpent:
         raise IdempotencyKeyReused(
             "this Idempotency-Key was already used, and its record has expired: send a new key",
             details={"fields": {"header.Idempotency-Key": "already used; its idempotency window has passed"}}) from None
-    except BaseException:
+    except (Rejected, InvalidRequest):
         if claimed:
             _release(platform, caller.tenant_id, key, token)  # only our own IN_PROGRESS record: the key is free again
+            raise
+        answer = _answer_of_key(platform, caller.tenant_id, key, req_hash) if refused_before_call else None
+        if answer is None:
+            raise
+        _give_back_rates(platform, caller, policy)
+        return answer
+    except BaseException:
+        if claimed:
+            _release(platform, caller.tenant_id, key, token)
         raise
-    if isinstance(got, write.RecordAnswers):  # another request with the key answered meanwhile
+    if isinstance(got, write.RecordAnswers):  # the key's record answers: a replay, or another request's meanwhile
+        _give_back_rates(platform, caller, policy)
         return _replay(got.record, req_hash)
     logger.info("task admitted", extra={"tenant_id": str(caller.tenant_id), "task_id": str(token), "decision": got.decision,
                                         "queue_class": got.queue_class, "fairness_units": est.fairness_units,
@@ -274,16 +331,29 @@ def _best_effort_stats(platform, policy: dict, est: Estimate) -> queue_stats.Lan
     return queue_stats.lane_stats(platform, "BEST_EFFORT")
 
 
+def _submit_buckets(caller: Caller, policy: dict) -> list[tuple[str, int]]:
+    return [(f"user:{caller.user_id}:submit", policy["user_submit_rate_per_minute"]),
+            (f"tenant:{caller.tenant_id}:submit", policy["tenant_submit_rate_per_minute"])]
+
+
 def _check_rates(platform, caller: Caller, policy: dict) -> None:
     """The user's submit bucket, then the tenant's, in one Redis call."""
-    refused = take_all(platform, [(f"user:{caller.user_id}:submit", policy["user_submit_rate_per_minute"]),
-                                  (f"tenant:{caller.tenant_id}:submit", policy["tenant_submit_rate_per_minute"])])
+    refused = take_all(platform, _submit_buckets(caller, policy))
     if refused is None:
         return
     index, d = refused
     if index == 0:
         raise Rejected("REJECT_USER_RATE_LIMIT", "user submit rate exceeded", d.retry_after_seconds)
     raise Rejected("REJECT_TENANT_RATE_LIMIT", "tenant submit rate exceeded", d.retry_after_seconds)
+
+
+def _give_back_rates(platform, caller: Caller, policy: dict, buckets: int = 2) -> None:
+    """The tokens _check_rates took from its first `buckets` buckets, given back (a request the
+    key's record answered spends no rate). A bucket refills to its capacity, no further."""
+    try:
+        give_back(platform, _submit_buckets(caller, policy)[:buckets])
+    except Exception as e:  # noqa: BLE001 - the replay's answer stands; the bucket refills on its own
+        logger.warning("submit rate tokens not given back", extra={"tenant_id": str(caller.tenant_id), "error": str(e)})
 
 
 def _check_lane(platform, policy: dict, est: Estimate) -> None:

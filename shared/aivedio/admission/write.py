@@ -1,11 +1,12 @@
 """Admission's write path in one round trip: one call of the aivedio_admit function (migration
-0190, with the slots of partitioned wallets since 0195, rewritten for its cost in 0230), which locks
-the wallet (or, for a partitioned wallet, the admitting user's slot), checks the idempotency record,
-the queue limits, the cost windows, the expected wait and the credit under that lock, and writes the
-COMPLETED idempotency record, the task, the RESERVE across credit lots (reservation, allocations,
-ledger transaction and entries, wallet snapshot, or the slot's allowance), the charge snapshot, the
-cost windows and the TaskQueued outbox row. A refusal writes nothing: the function only reads and
-locks before its first write.
+0190, with the slots of partitioned wallets since 0195, rewritten for its cost in 0230, checking the
+caller's policy version since 0240), which locks the wallet (or, for a partitioned wallet, the
+admitting user's slot), checks the idempotency record, that the policy the caller decided under is
+still in force, the queue limits, the cost windows, the expected wait and the credit under that
+lock, and writes the COMPLETED idempotency record, the task, the RESERVE across credit lots
+(reservation, allocations, ledger transaction and entries, wallet snapshot, or the slot's
+allowance), the charge snapshot, the cost windows and the TaskQueued outbox row. A refusal writes
+nothing: the function only reads and locks before its first write.
 
 The call runs alone on an autocommit connection, so the statement is the whole transaction and
 the wallet lock is held for the function's work and the commit only; the function refuses to run
@@ -82,6 +83,10 @@ class KeySpent(Exception):
     """The key's record expired, and its task still holds the key (one task per key)."""
 
 
+class PolicyStale(Exception):
+    """The tenant's policy moved on from the version the call was decided under (migration 0240)."""
+
+
 def window_starts(platform, now: datetime) -> dict[str, datetime]:
     """The cost windows `now` falls in (the minute and the day, in real seconds)."""
     out = {}
@@ -142,8 +147,9 @@ def call(platform, p: dict) -> dict:
 
 
 def admit_once(platform, p: dict) -> Written | RecordAnswers:
-    """Call aivedio_admit; map a refusal to its Rejected (raised) and the idempotency answers to
-    RecordAnswers, KeyLost or KeySpent."""
+    """Call aivedio_admit; map a refusal to its Rejected (raised), the idempotency answers to
+    RecordAnswers, KeyLost or KeySpent, and a policy that changed since the caller read it to
+    PolicyStale."""
     try:
         row = call(platform, p)
         if row["status"] == "SLOT_SHORT":
@@ -165,6 +171,8 @@ def admit_once(platform, p: dict) -> Written | RecordAnswers:
         raise KeyLost()
     if status == "KEY_SPENT":
         raise KeySpent()
+    if status == "POLICY_STALE":
+        raise PolicyStale()
     raise rejection(platform, row, p)
 
 
@@ -200,4 +208,5 @@ def rejection(platform, row: dict, p: dict) -> Rejected:
     raise RuntimeError(f"aivedio_admit answered an unknown status {status!r}")
 
 
-__all__ = ["ADMIT", "Written", "RecordAnswers", "KeyLost", "KeySpent", "admit_once", "params", "window_starts"]
+__all__ = ["ADMIT", "Written", "RecordAnswers", "KeyLost", "KeySpent", "PolicyStale", "admit_once", "params",
+           "window_starts"]

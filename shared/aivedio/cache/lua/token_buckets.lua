@@ -2,7 +2,7 @@
 -- refilled by elapsed time like token_bucket.lua, then `cost` tokens taken if there are enough. The
 -- first bucket that refuses ends the call, and the buckets after it are not touched; the buckets
 -- before it stay taken, as separate calls would leave them.
--- KEYS[i] bucket i; ARGV: cost, then capacity_i and refill tokens per ms of bucket i.
+-- KEYS[i] bucket i; ARGV: cost (negative: tokens given back), then capacity_i and refill tokens per ms of bucket i.
 -- Returns {0, 0} when every bucket gave, else {i, retry_after_ms} of the bucket that refused.
 local cost = tonumber(ARGV[1])
 local t = redis.call('TIME')
@@ -16,7 +16,7 @@ for i, key in ipairs(KEYS) do
   tokens = math.min(capacity, tokens + math.max(0, now - ts) * rate)
   local allowed = tokens >= cost
   if allowed then
-    tokens = tokens - cost
+    tokens = math.min(capacity, tokens - cost)  -- a negative cost gives tokens back, up to the capacity
   end
   redis.call('HSET', key, 'tokens', tokens, 'ts', now)
   redis.call('PEXPIRE', key, math.ceil(capacity / rate) + 1000)
