@@ -236,3 +236,17 @@ def test_a_spent_key_answers_before_a_refusal(make_platform, conn):
                  "where tenant_id = %s", (t.tenant_id,))
     with pytest.raises(IdempotencyKeyReused):
         admit(p, t.caller, req, BODY, "once")
+
+
+def test_a_rate_changed_after_the_process_cached_the_policy_binds_from_the_next_admission(platform, conn):
+    t = new_tenant(platform, user_submit_rate_per_minute=100)
+    req = GenerationRequest(**BODY)
+    assert admit(platform, t.caller, req, BODY, "a").status == 202  # the policy is cached, at 100 a minute
+    conn.execute("""update tenant_scheduling_policy set user_submit_rate_per_minute = 1, policy_version = policy_version + 1
+                     where tenant_id = %s""", (t.tenant_id,))
+    # Decided under the cached policy, the call answers POLICY_STALE: the tokens taken at 100 a minute
+    # go back, and the bucket is taken again at 1 a minute (it holds one token then: this one).
+    assert admit(platform, t.caller, req, BODY, "b").status == 202
+    with pytest.raises(Rejected) as e:
+        admit(platform, t.caller, req, BODY, "c")
+    assert e.value.decision == "REJECT_USER_RATE_LIMIT"

@@ -183,7 +183,7 @@ def quote_only(platform, caller: Caller, req: GenerationRequest) -> dict:
     with platform.db.connection() as conn:
         policy = load_policy(conn, caller.tenant_id)
     try:
-        _check_rates(platform, caller, policy)
+        _Rates(platform, caller).take(policy)
     except Rejected as r:
         publish(ADMISSION_REJECTIONS, code=r.decision)
         raise
@@ -236,51 +236,48 @@ def tenant_policy(platform, tenant_id, *, fresh: bool = False) -> dict:
     return policy
 
 
-def _answer_of_key(platform, tenant_id, key: str, req_hash: str) -> Admitted | None:
-    """What a record that holds the key answers (its replay, or its refusal raised), else None. Asked
-    when a request is refused before the call, so that a replay answers whatever the rates, the
-    lanes or the config say now, as the call answers it before any check of its own."""
+def _record_holding_key(platform, tenant_id, key: str) -> dict | None:
+    """The key's record if it holds the key. Asked when a request is refused before the call, so
+    that a replay answers whatever the rates, the lanes or the config say now, as the call answers
+    it before any check of its own."""
     record = platform.db.fetchone(SELECT_KEY, (tenant_id, key))
-    if record is None or not holds_key(record, platform.clock.now()):
-        return None
-    return _replay(record, req_hash)
+    return record if record is not None and holds_key(record, platform.clock.now()) else None
 
 
 def _admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, idempotency_key: str) -> Admitted:
     """One round trip to PostgreSQL for an admission without inputs: the policy comes from the
     process's cache and the key's record is read by the call, so the rates are taken before the
-    record is known: a replay gives its tokens back (a replay spends no rate)."""
+    record is known: a request the record answers gives its tokens back (a replay spends no rate)."""
     key = validate_idempotency_key(idempotency_key)
     if safeguards.broken("idempotency-lock"):
         # A chaos run only: a key of its own per request, so no record or task ever shares it and a
         # duplicate submit makes a second task (the record's lock and the task's unique key both pass).
         key = f"{key[:222]}#{uuid.uuid4().hex}"
     req_hash = request_hash(raw_body)
+    rates = _Rates(platform, caller)
     policy = tenant_policy(platform, caller.tenant_id)
-    try:
-        _check_rates(platform, caller, policy)
-    except Rejected as r:
-        answer = _answer_of_key(platform, caller.tenant_id, key, req_hash)
-        if answer is None:
-            raise
-        if r.decision == "REJECT_TENANT_RATE_LIMIT":  # the user's bucket gave before the tenant's refused
-            _give_back_rates(platform, caller, policy, buckets=1)
-        return answer
-    # A request with inputs fetches them (slow): it claims its key first, committed, so a second
-    # request with the key answers 409 meanwhile. One without inputs claims it in the one call.
     claimed = bool(req.inputs)
-    try:
-        token = _claim(platform, caller.tenant_id, key, req_hash) if claimed else uuid.uuid4()
-    except (IdempotencyKeyReused, IdempotencyInProgress):
-        _give_back_rates(platform, caller, policy)
-        raise
-    if isinstance(token, Admitted):
-        _give_back_rates(platform, caller, policy)
-        return token
+    token = None
     refused_before_call = True
     try:
-        for _ in range(POLICY_TRIES):
+        rates.take(policy)
+        # A request with inputs fetches them (slow): it claims its key first, committed, so a second
+        # request with the key answers 409 meanwhile. One without inputs claims it in the one call.
+        if claimed:
+            token = _claim(platform, caller.tenant_id, key, req_hash)
+            if isinstance(token, Admitted):
+                rates.give_back()
+                return token
+        else:
+            token = uuid.uuid4()
+        for attempt in range(POLICY_TRIES):
             refused_before_call = True
+            if attempt:  # the call answered POLICY_STALE: decide again under the policy in force
+                fresh = tenant_policy(platform, caller.tenant_id, fresh=True)
+                if _submit_buckets(caller, fresh) != _submit_buckets(caller, policy):  # its rates too
+                    rates.give_back()
+                    rates.take(fresh)
+                policy = fresh
             est, q = prepare(platform, policy, req)
             _check_lane(platform, policy, est)
             _check_budgets(platform, caller, est)
@@ -292,7 +289,7 @@ def _admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, ide
                     best_effort=_best_effort_stats(platform, policy, est)))
                 break
             except write.PolicyStale:
-                policy = tenant_policy(platform, caller.tenant_id, fresh=True)
+                continue
         else:
             raise RuntimeError(f"the policy of tenant {caller.tenant_id} changed during each of {POLICY_TRIES} admission calls")
     except write.KeyLost:
@@ -301,21 +298,25 @@ def _admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, ide
         raise IdempotencyKeyReused(
             "this Idempotency-Key was already used, and its record has expired: send a new key",
             details={"fields": {"header.Idempotency-Key": "already used; its idempotency window has passed"}}) from None
+    except (IdempotencyKeyReused, IdempotencyInProgress):  # the claim's answers: the key's record's
+        rates.give_back()
+        raise
     except (Rejected, InvalidRequest):
-        if claimed:
+        if claimed and token is not None:
             _release(platform, caller.tenant_id, key, token)  # only our own IN_PROGRESS record: the key is free again
             raise
-        answer = _answer_of_key(platform, caller.tenant_id, key, req_hash) if refused_before_call else None
-        if answer is None:
+        # Refused before the call: the key's record, if it holds the key, answers instead.
+        record = _record_holding_key(platform, caller.tenant_id, key) if refused_before_call else None
+        if record is None:
             raise
-        _give_back_rates(platform, caller, policy)
-        return answer
+        rates.give_back()
+        return _replay(record, req_hash)
     except BaseException:
-        if claimed:
+        if claimed and isinstance(token, uuid.UUID):
             _release(platform, caller.tenant_id, key, token)
         raise
     if isinstance(got, write.RecordAnswers):  # the key's record answers: a replay, or another request's meanwhile
-        _give_back_rates(platform, caller, policy)
+        rates.give_back()
         return _replay(got.record, req_hash)
     logger.info("task admitted", extra={"tenant_id": str(caller.tenant_id), "task_id": str(token), "decision": got.decision,
                                         "queue_class": got.queue_class, "fairness_units": est.fairness_units,
@@ -336,24 +337,35 @@ def _submit_buckets(caller: Caller, policy: dict) -> list[tuple[str, int]]:
             (f"tenant:{caller.tenant_id}:submit", policy["tenant_submit_rate_per_minute"])]
 
 
-def _check_rates(platform, caller: Caller, policy: dict) -> None:
-    """The user's submit bucket, then the tenant's, in one Redis call."""
-    refused = take_all(platform, _submit_buckets(caller, policy))
-    if refused is None:
-        return
-    index, d = refused
-    if index == 0:
-        raise Rejected("REJECT_USER_RATE_LIMIT", "user submit rate exceeded", d.retry_after_seconds)
-    raise Rejected("REJECT_TENANT_RATE_LIMIT", "tenant submit rate exceeded", d.retry_after_seconds)
+class _Rates:
+    """A request's submit tokens: the user's bucket, then the tenant's, in one Redis call, and what
+    it holds of them, so that a request the key's record answers gives back exactly those."""
 
+    def __init__(self, platform, caller: Caller):
+        self.platform, self.caller = platform, caller
+        self.held: list[tuple[str, int]] = []
 
-def _give_back_rates(platform, caller: Caller, policy: dict, buckets: int = 2) -> None:
-    """The tokens _check_rates took from its first `buckets` buckets, given back (a request the
-    key's record answered spends no rate). A bucket refills to its capacity, no further."""
-    try:
-        give_back(platform, _submit_buckets(caller, policy)[:buckets])
-    except Exception as e:  # noqa: BLE001 - the replay's answer stands; the bucket refills on its own
-        logger.warning("submit rate tokens not given back", extra={"tenant_id": str(caller.tenant_id), "error": str(e)})
+    def take(self, policy: dict) -> None:
+        buckets = _submit_buckets(self.caller, policy)
+        refused = take_all(self.platform, buckets)
+        if refused is None:
+            self.held = buckets
+            return
+        index, d = refused
+        self.held = buckets[:index]  # the buckets before the one that refused gave
+        if index == 0:
+            raise Rejected("REJECT_USER_RATE_LIMIT", "user submit rate exceeded", d.retry_after_seconds)
+        raise Rejected("REJECT_TENANT_RATE_LIMIT", "tenant submit rate exceeded", d.retry_after_seconds)
+
+    def give_back(self) -> None:
+        """Each bucket refills to its capacity, no further."""
+        held, self.held = self.held, []
+        if not held:
+            return
+        try:
+            give_back(self.platform, held)
+        except Exception as e:  # noqa: BLE001 - the record's answer stands; the bucket refills on its own
+            logger.warning("submit rate tokens not given back", extra={"tenant_id": str(self.caller.tenant_id), "error": str(e)})
 
 
 def _check_lane(platform, policy: dict, est: Estimate) -> None:
