@@ -65,7 +65,17 @@ def user_tokens(platform, t) -> float:
     return float(platform.cache.r.hget(platform.cache.key("rate", f"user:{t.caller.user_id}:submit"), "tokens"))
 
 
-def test_an_admission_is_one_statement_in_one_round_trip_and_one_redis_call(make_platform, conn):
+@pytest.fixture
+def long_caches(monkeypatch):
+    """Admission's per-process caches (the policy, lane figures, the price version) kept for the
+    test: one expiring between its admissions on a loaded machine would add its reload's statements."""
+    from aivedio.admission import service
+
+    monkeypatch.setattr(service, "POLICY_CACHE_SECONDS", 600.0)
+    monkeypatch.setattr(queue_stats, "CACHE_SECONDS", 600.0)
+
+
+def test_an_admission_is_one_statement_in_one_round_trip_and_one_redis_call(make_platform, conn, long_caches):
     p = make_platform(pool_size=1)  # one connection: everything admission sends is traced
     t = new_tenant(p)
     req = GenerationRequest(**BODY)
@@ -99,7 +109,9 @@ def test_an_admission_is_one_statement_in_one_round_trip_and_one_redis_call(make
 @pytest.mark.parametrize("rate, decision", [("user_submit_rate_per_minute", "REJECT_USER_RATE_LIMIT"),
                                             ("tenant_submit_rate_per_minute", "REJECT_TENANT_RATE_LIMIT")])
 def test_a_replay_refused_by_the_rates_answers_its_record(platform, conn, rate, decision):
-    t = new_tenant(platform, **{rate: 1})
+    # The user's bucket at 60 a minute: it refills a thousandth of a token per ms, far less than the
+    # token a missing give-back would leave it short.
+    t = new_tenant(platform, **{"user_submit_rate_per_minute": 60, rate: 1})
     req = GenerationRequest(**BODY)
     first = admit(platform, t.caller, req, BODY, "k1")
     with pytest.raises(Rejected) as e:
@@ -115,19 +127,26 @@ def test_a_replay_refused_by_the_rates_answers_its_record(platform, conn, rate, 
     assert conn.execute("select count(*) as n from generation_task where tenant_id = %s", (t.tenant_id,)).fetchone()["n"] == 1
 
 
-def test_a_policy_changed_after_the_process_cached_it_applies_to_the_next_admission(make_platform, conn):
+def test_a_policy_changed_after_the_process_cached_it_applies_to_the_next_admission(make_platform, conn, long_caches,
+                                                                                    monkeypatch):
+    from aivedio.admission import service
+
     p = make_platform(pool_size=1)
     t = new_tenant(p)
     req = GenerationRequest(**BODY)
-    admit(p, t.caller, req, BODY, "cached")  # the policy is cached now, for a second
+    admit(p, t.caller, req, BODY, "cached")  # the policy is cached now
     # Another process changes the policy, as aivedio.admin.policy does: with its version.
     conn.execute("""update tenant_scheduling_policy set max_queued_tasks = 1, policy_version = policy_version + 1
                      where tenant_id = %s""", (t.tenant_id,))
+    probes = []
+    real_probe = service.probe_inputs
+    monkeypatch.setattr(service, "probe_inputs", lambda *a, **kw: probes.append(1) or real_probe(*a, **kw))
     refused, counts, text = traced(p, lambda: pytest.raises(Rejected, admit, p, t.caller, req, BODY, "over"))
     assert refused.value.decision == "REJECT_TENANT_QUEUE_FULL"
     # The call decided under the cached version answered POLICY_STALE, then the policy was read and
-    # the call made again.
+    # the call made again; the inputs were probed once (a fetch is slow).
     assert counts == {"statements": 3, "transaction_commands": 0, "round_trips": 3}, text
+    assert len(probes) == 1
     assert conn.execute("select count(*) as n from generation_task where tenant_id = %s", (t.tenant_id,)).fetchone()["n"] == 1
     # And the function itself refuses a stale version before any write.
     conn.execute("update tenant_scheduling_policy set max_queued_tasks = 100, policy_version = policy_version + 1 "
@@ -238,7 +257,7 @@ def test_a_spent_key_answers_before_a_refusal(make_platform, conn):
         admit(p, t.caller, req, BODY, "once")
 
 
-def test_a_rate_changed_after_the_process_cached_the_policy_binds_from_the_next_admission(platform, conn):
+def test_a_rate_changed_after_the_process_cached_the_policy_binds_from_the_next_admission(platform, conn, long_caches):
     t = new_tenant(platform, user_submit_rate_per_minute=100)
     req = GenerationRequest(**BODY)
     assert admit(platform, t.caller, req, BODY, "a").status == 202  # the policy is cached, at 100 a minute

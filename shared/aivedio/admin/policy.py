@@ -416,11 +416,13 @@ POLICY_EPOCH = "policy_epoch"
 
 
 def invalidate_caches(platform) -> None:
-    """Drop what this process derived from policies: admission's lane figures (active weights,
-    cached ~1 s) and the scheduler's heaviest weight (cached a minute; it watches the epoch). Other
-    processes see a change within those same bounds; nothing policy-derived lives in Redis (the
-    token buckets take their rate from the policy on every request)."""
-    cache = platform.extras.get("admission_cache")
-    if cache is not None:
-        cache.clear()
+    """Drop what this process derived from policies: admission's policies and lane figures (active
+    weights), cached ~1 s, and the scheduler's heaviest weight (cached a minute; it watches the
+    epoch). Other processes see a change within those same bounds, except that an admission is
+    never written under a policy that has changed (aivedio_admit checks its version); nothing
+    policy-derived lives in Redis (the token buckets take their rate from the policy in use)."""
+    for name in ("admission_cache", "admission_policies"):
+        cache = platform.extras.get(name)
+        if cache is not None:
+            cache.clear()
     platform.extras[POLICY_EPOCH] = platform.extras.get(POLICY_EPOCH, 0) + 1

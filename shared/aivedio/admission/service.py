@@ -170,10 +170,16 @@ def _replay(record: dict, req_hash: str) -> Admitted:
 
 def prepare(platform, policy: dict, req: GenerationRequest) -> tuple[Estimate, Quote]:
     """Everything decided outside the transaction: probed inputs, estimate, quote."""
-    limits = platform.config.limits
+    return _estimate(platform, policy, req, _probe(platform, policy["tenant_id"], req))
+
+
+def _probe(platform, tenant_id, req: GenerationRequest) -> list:
     check_capabilities(req, platform.config)  # an unknown model, or a duration or resolution it lacks, fails before any fetch
-    probed = probe_inputs(req.inputs, tenant_id=policy["tenant_id"], limits=limits,
-                          media_bucket=platform.settings.media_bucket)
+    return probe_inputs(req.inputs, tenant_id=tenant_id, limits=platform.config.limits,
+                        media_bucket=platform.settings.media_bucket)
+
+
+def _estimate(platform, policy: dict, req: GenerationRequest, probed: list) -> tuple[Estimate, Quote]:
     est = estimate(req, probed, policy["tenant_service_class"], platform.config)
     return est, price_book.admission_quote(platform, est)
 
@@ -247,7 +253,10 @@ def _record_holding_key(platform, tenant_id, key: str) -> dict | None:
 def _admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, idempotency_key: str) -> Admitted:
     """One round trip to PostgreSQL for an admission without inputs: the policy comes from the
     process's cache and the key's record is read by the call, so the rates are taken before the
-    record is known: a request the record answers gives its tokens back (a replay spends no rate)."""
+    record is known: a request its key answers (a replay, a key in progress, reused or spent) gives
+    its tokens back, so it spends no rate. A refusal decided here before the call may come from a
+    cached policy up to POLICY_CACHE_SECONDS old in a process other than the one that changed it;
+    nothing is ever written under a policy that has changed."""
     key = validate_idempotency_key(idempotency_key)
     if safeguards.broken("idempotency-lock"):
         # A chaos run only: a key of its own per request, so no record or task ever shares it and a
@@ -270,6 +279,7 @@ def _admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, ide
                 return token
         else:
             token = uuid.uuid4()
+        probed = _probe(platform, caller.tenant_id, req)  # once: a fetch of the inputs is slow
         for attempt in range(POLICY_TRIES):
             refused_before_call = True
             if attempt:  # the call answered POLICY_STALE: decide again under the policy in force
@@ -278,7 +288,7 @@ def _admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, ide
                     rates.give_back()
                     rates.take(fresh)
                 policy = fresh
-            est, q = prepare(platform, policy, req)
+            est, q = _estimate(platform, policy, req, probed)
             _check_lane(platform, policy, est)
             _check_budgets(platform, caller, est)
             refused_before_call = False
@@ -293,8 +303,10 @@ def _admit(platform, caller: Caller, req: GenerationRequest, raw_body: dict, ide
         else:
             raise RuntimeError(f"the policy of tenant {caller.tenant_id} changed during each of {POLICY_TRIES} admission calls")
     except write.KeyLost:
+        rates.give_back()  # answered by its key, as every answer of the idempotency record's
         raise IdempotencyInProgress("a request with this Idempotency-Key is still being processed") from None
     except write.KeySpent:
+        rates.give_back()
         raise IdempotencyKeyReused(
             "this Idempotency-Key was already used, and its record has expired: send a new key",
             details={"fields": {"header.Idempotency-Key": "already used; its idempotency window has passed"}}) from None

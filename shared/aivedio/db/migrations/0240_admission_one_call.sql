@@ -175,7 +175,8 @@ BEGIN
         RETURN;
     END IF;
     -- The caller decided under p_policy_version (its policy is cached per process): a policy that has
-    -- moved on since answers POLICY_STALE, having written nothing, and the caller decides again.
+    -- moved on since answers POLICY_STALE, having written nothing (the rows locked above are let go
+    -- with the transaction), and the caller decides again.
     IF v_policy_version IS DISTINCT FROM p_policy_version THEN
         status := 'POLICY_STALE';
         RETURN;
