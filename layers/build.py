@@ -6,8 +6,10 @@ The dependencies are the runtime `dependencies` of pyproject.toml, installed as 
 the Lambda runtime (`pip install --platform ... --implementation cp --python-version 3.12
 --only-binary=:all:`), so the build works on any machine with pip and network access to the
 package index, and never compiles anything. boto3/botocore are left out: the Lambda runtime ships
-them, and they would add ~25 MB. Then shared/aivedio is copied in, less the tools that no function
-runs (DEV_ONLY_MODULES: the local runtime, simulator, bench, demo, chaos runner and CLI).
+them, and they would add ~25 MB. Then shared/aivedio, the runtime package, is copied in whole: it
+holds only what a function runs. The tools around it (the local runtime, the CLI, demo, bench,
+simulate, chaos, the provider simulator) are the other package, shared/aivedio_tools, which never
+reaches the layer; tests/unit/test_house.py fails if the runtime package imports it.
 
 pip runs only when the dependency list, the Python version or the platforms change (a stamp file
 records them); the package copy is refreshed every time, so `make synth` stays fast.
@@ -39,15 +41,7 @@ ARCHITECTURE = "x86_64"
 # manylinux_2_28 wheels (which some packages publish instead) run there too.
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_28_x86_64")
 PROVIDED_BY_RUNTIME = {"boto3", "botocore"}
-# Tools around the platform, never run by a function: kept out of the layer, and a test
-# (tests/infra/test_lambda_cold_start.py) checks that no handler's import graph reaches them.
-DEV_ONLY_MODULES = ("aivedio.local", "aivedio.simulate", "aivedio.bench", "aivedio.demo", "aivedio.cli",
-                    "aivedio.admin.cli", "aivedio.billing.cli", "aivedio.reconcile.cli", "aivedio.providers.cli",
-                    "aivedio.providers.simulator",
-                    # The chaos suite runs locally only; its safeguards and failpoints modules stay
-                    # in the layer, since the core reads them (inert unless a local run arms them).
-                    *(f"aivedio.chaos.{m}" for m in ("checkers", "cli", "db_faults", "facts", "node", "plan", "proxy",
-                                                     "records", "redis_faults", "redis_server", "runner", "sweep", "workload")))
+TOOLS_PACKAGE = "aivedio_tools"  # never in the layer
 LAMBDA_UNZIPPED_LIMIT_BYTES = 250 * 1024 * 1024  # layers and function code together
 
 
@@ -75,30 +69,12 @@ def _stamp(requirements: list[str]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def is_dev_only(module: str) -> bool:
-    return any(module == m or module.startswith(m + ".") for m in DEV_ONLY_MODULES)
-
-
-def _dev_only_paths(src: Path = PACKAGE_SRC) -> set[Path]:
-    out = set()
-    for m in DEV_ONLY_MODULES:
-        rel = Path(*m.split(".")[1:])
-        out |= {p for p in (src / rel, src / rel.with_suffix(".py")) if p.exists()}
-    return out
-
-
 def copy_package(site: Path = SITE_DIR, src: Path = PACKAGE_SRC) -> Path:
-    """shared/aivedio into site/aivedio, without caches and without the dev-only modules."""
+    """shared/aivedio into site/aivedio, whole, without caches."""
     dest = site / "aivedio"
     if dest.exists():
         shutil.rmtree(dest)
-    skipped = _dev_only_paths(src)
-    generic = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-
-    def ignore(directory: str, names: list[str]) -> set[str]:
-        return set(generic(directory, names)) | {n for n in names if Path(directory, n) in skipped}
-
-    shutil.copytree(src, dest, ignore=ignore)
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
     return dest
 
 

@@ -12,7 +12,7 @@ import pytest
 from aivedio.admin.tenants import create_tenant
 from aivedio.auth import Caller, issue_key
 from aivedio.billing.ledger import ledger_aggregate
-from aivedio.local.runtime import LocalRuntime
+from aivedio_tools.local.runtime import LocalRuntime
 
 # The contract's status for every decision code (contracts/tenant-api.md, issue 3).
 CONTRACT_STATUS = {

@@ -11,7 +11,7 @@ from decimal import Decimal
 
 import psycopg
 
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.admin.tenants import create_tenant, grant_credits
 from aivedio.billing.ledger import ledger_aggregate, lock_wallet
 from aivedio.billing.reservations import reserve
@@ -176,11 +176,11 @@ def footprint(conn: psycopg.Connection, tenant_id, wallet_id) -> dict:
 
 
 class Cli:
-    """aivedio.cli.main, callable more than once in one process (main() registers its extensions on
+    """aivedio_tools.cli.main, callable more than once in one process (main() registers its extensions on
     every call, and argparse refuses a sub-command registered twice)."""
 
     def __init__(self, monkeypatch):
-        from aivedio import cli
+        from aivedio_tools import cli
 
         self.cli, self.monkeypatch = cli, monkeypatch
 

@@ -55,7 +55,7 @@ def admin_url() -> str:
         elif _reachable("127.0.0.1", 5432):
             _admin_url = "postgresql://postgres@127.0.0.1:5432/postgres"
         else:
-            from aivedio.local.embedded import embedded_postgres_url
+            from aivedio_tools.local.embedded import embedded_postgres_url
 
             _admin_url = embedded_postgres_url(TEST_HOME)
     return _admin_url
@@ -66,7 +66,7 @@ def _test_redis_url() -> str:
         return os.environ["AIVEDIO_TEST_REDIS_URL"]
     if _reachable("127.0.0.1", 6379):
         return "redis://127.0.0.1:6379/0"
-    from aivedio.local.embedded import embedded_redis_url
+    from aivedio_tools.local.embedded import embedded_redis_url
 
     return embedded_redis_url(TEST_HOME)
 

@@ -1,6 +1,6 @@
 """Helpers of the invoice reconciliation tests: a provider that speaks only the protocol's invoice endpoint
 (`GET /v1/invoices?date=`, per account by its Bearer key) and answers what a test sets, attempts and
-cost events written the way the platform writes them (aivedio.billing.costs), and invoice lines."""
+cost events written the way the platform writes them (aivedio.spend.costs), and invoice lines."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from aivedio.billing import costs
+from aivedio.spend import costs
 from aivedio.config import MaintenanceService, PlatformConfig, ProviderAccount, ProviderConfig
 from aivedio.providers.adapter import Usage
 from tests.billing_support import make_task, new_wallet

@@ -15,12 +15,12 @@ import pytest
 
 from aivedio.attempts import steps
 from aivedio.attempts.lifecycle import AttemptRef
-from aivedio.billing import budgets
+from aivedio.spend import budgets
 from aivedio.billing.settlement import SETTLED_EVENT, settle
 from aivedio.bootstrap import apply_config
 from aivedio.config import (Limits, MaintenanceService, ManualClock, MediaConfig, PlatformConfig, ProviderAccount,
                             ProviderConfig, SimulatorBehaviour, Timers)
-from aivedio.providers.simulator import SimulatorServer
+from aivedio_tools.provider_sim import SimulatorServer
 from aivedio.providers.webhooks import sign_webhook
 from tests.admission_support import clear_cache, new_tenant
 from tests.billing_support import ADMIN, grant_roles
@@ -95,7 +95,7 @@ def review_world(make_platform):
 
 
 def _roles(conn) -> None:
-    from aivedio.admin import rbac
+    from aivedio.policy import roles as rbac
 
     if not conn.execute("select 1 from operator_role where operator = %s", (ADMIN,)).fetchone():
         grant_roles(conn)

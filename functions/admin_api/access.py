@@ -87,7 +87,7 @@ def _named_tenant(route, path: str) -> UUID | None:
 
 def gate(app, event: dict) -> dict | None:
     """None lets the request through (with the operator in app.context); otherwise the proxy answer."""
-    from aivedio.admin import rbac
+    from aivedio.policy import roles as rbac
     from aivedio.admin.operators import authenticate_operator
 
     platform = get_platform()

@@ -1,5 +1,5 @@
 """The `api` Lambda behind API Gateway (REST, proxy integration). Locally `aivedio serve` feeds
-this same handler through aivedio.local.http_server. Routes live in functions/api/routes/*.py."""
+this same handler through aivedio_tools.local.http_server. Routes live in functions/api/routes/*.py."""
 from __future__ import annotations
 
 from aws_lambda_powertools.event_handler.openapi.models import HTTPBearer

@@ -3,7 +3,7 @@
 The stock resolver keeps the request it is answering in shared places: the current event and Lambda
 context on BaseRouter's class attributes, the routing context (where auth.gate puts the caller) and
 the middleware frames on the app object. In Lambda an environment runs one invocation at a time, so
-that is harmless there. The local server (aivedio.local.http_server) runs each request on a thread of
+that is harmless there. The local server (aivedio_tools.local.http_server) runs each request on a thread of
 its own, as concurrent Lambda environments would; with the stock resolver two requests would read
 each other's event and caller, which is why that server used to serialise every invocation, and one
 slow input probe held up every other request. Here each thread has its own state, as Powertools' own

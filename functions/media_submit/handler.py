@@ -7,8 +7,9 @@ jobs whose worker slots fit (aivedio.media.pipeline.claim_next) and starts a wor
   pipeline.mark_started records the Batch job id (aivedio.media.batch.dispatch). A run claims until
   a claim comes back short or its time is nearly spent; EventBridge starts the next one a minute
   later (Batch itself takes longer than that to start an instance from zero).
-- Locally: the local media dispatcher (aivedio.media.dispatch: worker subprocesses bounded by the
-  same slots), the way functions/dispatch starts the local workflow runner instead of Step Functions.
+- Locally: the dispatcher the local runtime puts in the platform's extras (pipeline.LOCAL_DISPATCHER:
+  aivedio_tools.local.media_dispatch, worker subprocesses bounded by the same slots), the way
+  functions/dispatch finds the local workflow runner there instead of Step Functions.
 
 A claim is handed to one run only (claim_next's CAS and fencing), so nothing is submitted twice; a
 submit that fails, or a run that dies between claim and submit, leaves a RUNNING job with no worker,
@@ -16,7 +17,7 @@ which the media-jobs reconciler retries with the same output version once its le
 from __future__ import annotations
 
 from aivedio.context import get_platform
-from aivedio.media import batch
+from aivedio.media import batch, pipeline
 from aivedio.observability import logger
 
 RESERVE_SECONDS = 10.0  # left of the timeout when a run stops claiming
@@ -42,7 +43,7 @@ def lambda_handler(event: dict, context) -> dict:
 
 def _local(platform) -> dict:
     try:
-        from aivedio.media.dispatch import run_local  # the local dispatcher: worker subprocesses
+        from aivedio_tools.local.media_dispatch import run_local
     except ImportError:
-        return {"skipped": "no AIVEDIO_MEDIA_BATCH, and no local media dispatcher (aivedio.media.dispatch.run_local)"}
+        return {"skipped": "no AIVEDIO_MEDIA_BATCH, and no local media dispatcher (aivedio_tools.local.media_dispatch.run_local)"}
     return run_local(platform)

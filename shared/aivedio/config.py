@@ -51,7 +51,7 @@ class ProviderAccount(_Strict):
 
 
 class SimulatorBehaviour(_Strict):
-    """How a built-in provider simulator misbehaves (aivedio.providers.simulator). Rates are
+    """How a built-in provider simulator misbehaves (aivedio_tools.provider_sim). Rates are
     probabilities in [0, 1]; durations are platform seconds, which the simulator divides by
     time_scale. Every draw comes from `seed`, keyed by the idempotency key or job it concerns, so a
     run is reproducible whatever order concurrent requests arrive in."""
@@ -382,7 +382,7 @@ class BillingConfig(_Strict):
     price_snapshot_max_task_amount: int = Field(default=5_000, ge=0)
     # ISO 4217 codes media costs are accounted in; an imported cost line in any other is parked
     media_cost_currencies: list[str] = Field(default_factory=lambda: ["USD", "EUR", "GBP", "JPY", "CNY"], min_length=1)
-    # Provider invoices (aivedio.reconcile.invoices, ch. 20.10), in invoice (UTC calendar) days: each run re-pulls this
+    # Provider invoices (aivedio.spend.invoices, ch. 20.10), in invoice (UTC calendar) days: each run re-pulls this
     # many days before the oldest day not yet reconciled (late or amended lines); a charged attempt waits this long
     # for its line (PENDING_WITHIN_GRACE) before it is MISSING_EXTERNAL; amounts within the tolerance agree.
     invoice_overlap_days: int = Field(default=3, ge=0, le=31)
@@ -506,12 +506,12 @@ class Settings(_Strict):
     database_iam_auth: bool = False
     redis_secret_arn: str | None = None
     # AWS: attempt workflows run as executions of this Step Functions state machine. Unset: the
-    # local workflow runner of this process runs them (aivedio.local.workflow_runner).
+    # local workflow runner of this process runs them (aivedio_tools.local.workflow_runner).
     attempt_state_machine_arn: str | None = None
     # The platform media bucket: s3:// inputs are read only from its inputs/<tenant id>/ prefix. Unset:
     # s3:// inputs are refused (aivedio.media.probe).
     media_bucket: str | None = None
-    # The invoice archive (aivedio.reconcile.invoice_archive): raw provider invoices and the reconciliation
+    # The invoice archive (aivedio.spend.invoice_archive): raw provider invoices and the reconciliation
     # reports, content-addressed and never overwritten. Unset: a directory under home (.aivedio/invoices).
     invoice_bucket: str | None = None
     # AWS (aivedio.cloud_config): the platform config is the TOML document in this SSM parameter,

@@ -45,7 +45,7 @@ class Platform:
 
 def resolve_urls(settings: Settings) -> tuple[str, str | None]:
     """The database and Redis URLs to use. Both must be given: the local tools fill them with the
-    embedded servers first (aivedio.local.embedded.with_embedded_servers), and a deployed function
+    embedded servers first (aivedio_tools.local.embedded.with_embedded_servers), and a deployed function
     never starts a server. A Redis secret (AWS) supplies the credentials the URL leaves out."""
     if settings.database_url is None:
         raise ConfigError("AIVEDIO_DATABASE_URL: not set (a postgresql:// URL is required here)")

@@ -28,7 +28,9 @@ is listed in /healthz (`degraded`: the mode, why, since when) and is the Degrade
 Most modes are seen by each process for itself (a probe, or the code that met the fault); their
 `since` is when this process first saw them, or, for the outbox, when the oldest event crossed the
 threshold. capacity_counters is found by one service and must hold every scheduler back, so it is
-a row of degraded_mode (migration 0140) until the repair that ends it commits."""
+a row of degraded_mode (migration 0140) until the repair that ends it commits.
+
+This module is the registry of modes; aivedio.health holds the probes that find them."""
 from __future__ import annotations
 
 import json
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from aivedio.caching import cached
 from aivedio.metrics_catalog import DEGRADED_MODE
 from aivedio.observability import logger, publish
 
@@ -47,8 +50,6 @@ MODES = (DATABASE, REDIS, OUTBOX_BACKLOG, PROVIDER_BREAKER, PRICING, CAPACITY_CO
 # publishes): pricing is known only to the process whose price read failed.
 PROBED = (DATABASE, REDIS, OUTBOX_BACKLOG, PROVIDER_BREAKER, CAPACITY_COUNTERS)
 
-PROBE_TIMEOUT_SECONDS = 2.0  # a dead database makes the probe answer "down" instead of hanging
-
 # Stored modes (degraded_mode, migration 0140).
 ENTER_STORED = """insert into degraded_mode (mode, reason, detail) values (%(mode)s, %(reason)s, %(detail)s)
                   on conflict (mode) do update set reason = excluded.reason, detail = excluded.detail, updated_at = now()
@@ -56,7 +57,6 @@ ENTER_STORED = """insert into degraded_mode (mode, reason, detail) values (%(mod
 LEAVE_STORED = "delete from degraded_mode where mode = %s returning since"
 STORED = "select mode, reason, detail, since from degraded_mode order by mode"
 STORED_ONE = "select 1 from degraded_mode where mode = %s"
-MANUAL_REVIEW_OPEN = "select count(*) as n from generation_task where state = 'MANUAL_REVIEW'"
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,12 @@ def active(platform, mode: str) -> bool:
     return mode in _registry(platform)
 
 
+def active_modes(platform) -> list[Mode]:
+    """The modes active in this process, in the order of MODES."""
+    with _lock:
+        return sorted(_registry(platform).values(), key=lambda m: MODES.index(m.mode))
+
+
 def _loggable(detail: dict) -> dict:
     return {k: v for k, v in detail.items() if isinstance(v, (str, int, float, bool))}
 
@@ -126,107 +132,11 @@ def leave_stored(conn, mode: str) -> bool:
 def capacity_suspect(platform) -> bool:
     """Whether a capacity counter is known to be wrong (the scheduler ticks conservatively);
     cached a second per process, like the other figures admission and the tick read."""
-    from aivedio.admission.queue_stats import cached
-
     def load() -> bool:
         with platform.db.connection() as conn:
             return conn.execute(STORED_ONE, (CAPACITY_COUNTERS,)).fetchone() is not None
 
     return cached(platform, "capacity_suspect", load)
-
-
-# --- the probes -----------------------------------------------------------------------------------
-
-@dataclass
-class Health:
-    database: str  # ok | down
-    redis: str  # ok | down | disabled (configured off: conservative mode by choice, not a fault)
-    modes: list[Mode]
-    outbox_pending: int | None = None  # None: the database could not be asked
-    outbox_oldest_pending_seconds: float | None = None  # platform seconds
-    outbox_dead_letters: int | None = None
-    manual_review_open: int | None = None
-
-    @property
-    def status(self) -> str:
-        return "degraded" if self.modes else "ok"
-
-
-def _probe_outbox(platform, health: Health) -> None:
-    from aivedio.admission.queue_stats import outbox_overload, outbox_state
-
-    st = outbox_state(platform)
-    health.outbox_pending, health.outbox_oldest_pending_seconds = st.pending, round(st.oldest_age_seconds, 1)
-    why = outbox_overload(platform, st)
-    if why is None:
-        leave(platform, OUTBOX_BACKLOG)
-        return
-    limits = platform.config.limits
-    since = None
-    if st.oldest_created_at is not None and st.oldest_age_seconds > limits.outbox_backlog_max_age_seconds:
-        since = st.oldest_created_at + platform.clock.delta(limits.outbox_backlog_max_age_seconds)
-    enter(platform, OUTBOX_BACKLOG, why, since=since, pending=st.pending, oldest_pending_seconds=round(st.oldest_age_seconds, 1))
-
-
-def _probe_breakers(platform) -> None:
-    from aivedio.scheduling import router
-
-    open_ = router.open_breakers(platform)
-    if not open_:
-        leave(platform, PROVIDER_BREAKER)
-        return
-    accounts = [f"{p.name}:{a.account_id}" for p in platform.config.providers if p.name in open_ for a in p.accounts]
-    enter(platform, PROVIDER_BREAKER,
-          f"circuit breaker open for {', '.join(sorted(open_))}: no new attempts there; accepted jobs stay where they are",
-          providers={name: {"failure_rate": round(1 - s.success_rate, 3), "samples": s.samples} for name, s in sorted(open_.items())},
-          accounts=accounts)
-
-
-def _probe_stored(platform, conn) -> None:
-    rows = {r["mode"]: r for r in conn.execute(STORED).fetchall()}
-    for mode in (CAPACITY_COUNTERS,):
-        r = rows.get(mode)
-        if r is None:
-            leave(platform, mode)
-        else:
-            enter(platform, mode, r["reason"], since=r["since"], **(r["detail"] or {}))
-
-
-def evaluate(platform) -> Health:
-    """Probe every dependency this process can see, bring the registry up to date, and return the
-    health of the platform as this process sees it (what /healthz answers)."""
-    db_ok = platform.db.healthy(timeout=PROBE_TIMEOUT_SECONDS)
-    if db_ok:
-        leave(platform, DATABASE)
-    else:
-        database_down(platform)
-    if platform.cache is None:
-        redis = "disabled"
-    else:
-        redis = "ok" if platform.cache.healthy() else "down"
-        if redis == "ok":
-            leave(platform, REDIS)
-        else:
-            redis_down(platform, "no answer to PING")
-    health = Health(database="ok" if db_ok else "down", redis=redis, modes=[])
-    if db_ok:
-        from aivedio import outbox
-
-        for probe in (lambda: _probe_outbox(platform, health), lambda: _probe_breakers(platform)):
-            try:
-                probe()
-            except Exception as e:  # noqa: BLE001 - one failing probe must not hide the others
-                logger.warning("degraded-mode probe failed", extra={"error": repr(e)})
-        try:
-            with platform.db.connection(timeout=PROBE_TIMEOUT_SECONDS) as conn:
-                _probe_stored(platform, conn)
-                health.outbox_dead_letters = outbox.dead_letter_count(conn)
-                health.manual_review_open = int(conn.execute(MANUAL_REVIEW_OPEN).fetchone()["n"])
-        except Exception as e:  # noqa: BLE001
-            logger.warning("health figures unavailable", extra={"error": repr(e)})
-    with _lock:
-        health.modes = sorted(_registry(platform).values(), key=lambda m: MODES.index(m.mode))
-    return health
 
 
 def database_down(platform) -> None:
@@ -237,15 +147,3 @@ def redis_down(platform, error: str) -> None:
     enter(platform, REDIS, "Redis unreachable: conservative scheduling from PostgreSQL (smaller batches, BEST_EFFORT "
                            "and EXPENSIVE paused), rate limits in PostgreSQL; the index is rebuilt when it answers",
           error=error[:200])
-
-
-def publish_gauges(platform) -> Health:
-    """Evaluate, then publish every probed mode's gauge, 1 or 0, so the dashboard's line is never
-    empty (the redis-index service calls this each run)."""
-    h = evaluate(platform)
-    on = {m.mode for m in h.modes}
-    for mode in PROBED:
-        if mode == REDIS and platform.cache is None:
-            continue
-        publish(DEGRADED_MODE, 1 if mode in on else 0, mode=mode)
-    return h

@@ -1,7 +1,7 @@
 """Where work goes: which function consumes each outbox event type, and which functions run on a
 schedule. The one table both runtimes read:
 
-- locally, aivedio.local.runtime registers each subscription as an in-process SQS-style consumer
+- locally, aivedio_tools.local.runtime registers each subscription as an in-process SQS-style consumer
   and turns each schedule into a loop whose interval comes from the config file (time_scale);
 - in AWS, the CDK app (infra_cdk/messaging.py) makes one SQS queue, with its DLQ, per consuming
   function, points AIVEDIO_EVENT_QUEUES of the outbox relay at it for each of its event types, and

@@ -3,7 +3,7 @@
 In Lambda they are Powertools EMF metrics in NAMESPACE (POWERTOOLS_METRICS_NAMESPACE), and every
 function sets POWERTOOLS_SERVICE_NAME=SERVICE, so Powertools' default `service` dimension has one
 value; locally the same names are kept by aivedio.observability.metrics and served as Prometheus
-text on `GET /metrics` under `aivedio serve` (aivedio.local.prometheus names each one
+text on `GET /metrics` under `aivedio serve` (aivedio_tools.local.prometheus names each one
 `aivedio_<snake_case>`, counters with `_total`). The CDK app builds its dashboard and alarms from
 this table (infra_cdk/observability.py), so an emitter and the graph of what it emits cannot drift
 apart by a typo. Every metric the code emits is a spec here, published with

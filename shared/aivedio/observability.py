@@ -21,7 +21,7 @@ Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 class LocalMetrics:
     """What publish() recorded in this process, for /healthz, reports, tests and the local
-    Prometheus endpoint (aivedio.local.prometheus). `snapshot()` keys are the spec's name plus its
+    Prometheus endpoint (aivedio_tools.local.prometheus). `snapshot()` keys are the spec's name plus its
     sorted dimensions ("Claims|lane=PAID_SHARED") and sum every value published (for a gauge, the
     sum of what each run set); `series()` keeps, per spec and dimensions, a counter's total and a
     gauge's last value; `histograms()` a histogram's bucket counts, sum and count."""
@@ -63,7 +63,7 @@ class LocalMetrics:
             return {k: list(v) for k, v in self._hist.items()}
 
     def dump(self) -> dict:
-        """This process's series as JSON, for a process that merges several (aivedio.local.prometheus)."""
+        """This process's series as JSON, for a process that merges several (aivedio_tools.local.prometheus)."""
         with self._lock:
             return {"series": [[n, list(map(list, d)), v, self._set_at.get((n, d))] for (n, d), v in self._series.items()],
                     "histograms": [[n, list(map(list, d)), list(v)] for (n, d), v in self._hist.items()]}

@@ -21,6 +21,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
@@ -29,7 +31,8 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from pydantic import BaseModel
 
-from aivedio.chaos import failpoints, safeguards
+from aivedio.caching import cached
+from aivedio.faults import failpoints, safeguards
 from aivedio.events import EventEnvelope
 from aivedio.metrics_catalog import OUTBOX_DELIVERY_ERRORS, OUTBOX_FAILED, OUTBOX_PUBLISHED
 from aivedio.observability import logger, publish
@@ -359,3 +362,44 @@ def mark_processed(conn: psycopg.Connection, consumer: str, event_id: UUID | str
     """Record that `consumer` handled `event_id`; False when it already had. Call it in the same
     transaction as the consumer's effects, so a redelivered event changes nothing."""
     return conn.execute(INSERT_PROCESSED, {"consumer": consumer, "event_id": event_id}).rowcount == 1
+
+
+# --- the backlog, as admission and the health probe see it -----------------------------------------
+
+# The backlog and the age of its oldest event in one statement (both from the partial index of
+# migration 0140). Ages are measured on the database's clock, which wrote created_at.
+OUTBOX_STATE = """select count(*) as n, min(created_at) as oldest,
+                         coalesce(extract(epoch from now() - min(created_at)), 0)::float8 as age
+                    from outbox_event where status = 'PENDING'"""
+
+
+@dataclass(frozen=True)
+class OutboxState:
+    pending: int
+    oldest_age_seconds: float  # platform seconds (0 without a backlog)
+    oldest_created_at: datetime | None
+
+
+def outbox_state(platform) -> OutboxState:
+    def load() -> OutboxState:
+        row = platform.db.fetchone(OUTBOX_STATE)
+        return OutboxState(int(row["n"]), max(0.0, float(row["age"])) * platform.clock.time_scale, row["oldest"])
+
+    return cached(platform, "outbox_state", load)
+
+
+def outbox_backlog(platform) -> int:
+    return outbox_state(platform).pending
+
+
+def outbox_overload(platform, state: OutboxState | None = None) -> str | None:
+    """Why new work must wait for the outbox (the bus is down or the relay stalled: ch. 18.18,
+    20.12.3), or None. Events keep being written meanwhile; only admission stops."""
+    st = state or outbox_state(platform)
+    limits = platform.config.limits
+    if st.pending > limits.outbox_backlog_reject_threshold:
+        return f"{st.pending} outbox events wait to be published (threshold {limits.outbox_backlog_reject_threshold})"
+    if st.oldest_age_seconds > limits.outbox_backlog_max_age_seconds:
+        return (f"the oldest unpublished outbox event is {st.oldest_age_seconds:.0f}s old "
+                f"(threshold {limits.outbox_backlog_max_age_seconds:.0f}s)")
+    return None

@@ -2,7 +2,7 @@
 
 "Loop NAME has work now" is said with Platform.wake(NAME), the same call in both runtimes:
 
-- locally each loop of aivedio.local.runtime waits on a threading.Event between runs, and wake()
+- locally each loop of aivedio_tools.local.runtime waits on a threading.Event between runs, and wake()
   sets it, so the loop runs now instead of at its interval;
 - in AWS the continuous schedules of aivedio.events_routing (the outbox relay and the scheduler
   tick) are Lambda runs that keep polling until near their timeout. Between idle polls a run

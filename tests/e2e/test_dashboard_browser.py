@@ -30,7 +30,7 @@ from tests.conftest import _test_redis_url, create_test_database, drop_test_data
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SCRIPT = Path(sys.executable).with_name("aivedio")
-AIVEDIO = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "aivedio.cli"]
+AIVEDIO = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "aivedio_tools.cli"]
 CHROMIUM = os.environ.get("AIVEDIO_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOT_COPY = Path("/tmp/dashboard.png")
 PROVIDER = "provider-a"

@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import _test_redis_url, create_test_database, drop_test_database
 
 SCRIPT = Path(sys.executable).with_name("aivedio")
-AIVEDIO = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "aivedio.cli"]
+AIVEDIO = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "aivedio_tools.cli"]
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOT = Path("/tmp/demo_report.png")
 SECTIONS = ("id='verdicts'", "id='shares'", "id='waits'", "id='lanes'", "id='costs'", "id='ledger'", "id='invoices'")

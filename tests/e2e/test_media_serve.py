@@ -31,7 +31,7 @@ from tests.scheduler_support import OPEN, UNCAPPED
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("media")]
 
 SCRIPT = Path(sys.executable).with_name("aivedio")
-AIVEDIO = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "aivedio.cli"]
+AIVEDIO = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "aivedio_tools.cli"]
 TIME_SCALE = 20.0
 CONFIG = f"""
 time_scale = {TIME_SCALE}

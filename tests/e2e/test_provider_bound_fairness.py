@@ -16,7 +16,7 @@ queued work throughout it. In that window each tenant's share of the job starts 
 weight share (4/7, 2/7, 1/7):
 
 - fairness error = max over tenants of |share - weight share| (target <= 0.03, the issue's);
-- Armada's error, the project's figure (aivedio.simulate.metrics: the shortfall below the fair share
+- Armada's error, the project's figure (aivedio_tools.simulate.metrics: the shortfall below the fair share
   as a fraction of what was delivered; every tenant here is backlogged, so water-filling gives the
   plain weight shares) is printed beside it; with three tenants it never exceeds the max error;
 - the account's concurrency never exceeds max_concurrency (the simulator's peak, and the peak of
@@ -40,7 +40,7 @@ import pytest
 
 from aivedio.admin.tenants import create_tenant
 from aivedio.config import PlatformConfig, ProviderAccount, ProviderConfig, SimulatorBehaviour, Timers
-from aivedio.local.runtime import LocalRuntime
+from aivedio_tools.local.runtime import LocalRuntime
 from tests.scheduler_support import OPEN, UNCAPPED
 
 # With the chaos runs and the attempt invariants (tests/reliability, LOAD_GROUP), never beside them:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 SCRIPT = Path(sys.executable).with_name("aivedio")
-AIVEDIO = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "aivedio.cli"]
+AIVEDIO = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "aivedio_tools.cli"]
 
 
 def free_port() -> int:

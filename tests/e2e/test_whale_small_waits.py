@@ -13,7 +13,7 @@ submit; each finish, a freed slot):
 - a small task's wait: from its 202 to its job's creation;
 - its realised-slot ideal (the planners' reading): the time until as many slots actually freed as
   there were backlogged tenants, its own included, counted from its 202 or, behind its own tenant's
-  earlier tasks, from the ideal start of the last of them (aivedio.simulate.metrics chains it so);
+  earlier tasks, from the ideal start of the last of them (aivedio_tools.simulate.metrics chains it so);
 - the freed-slot-to-submit latency: each finish matched to the next job creation on the account.
 
 Asserted: for every small tenant, p99 wait <= 1.5 x p99 ideal + the p99 freed-slot latency; every
@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from aivedio.admin.tenants import create_tenant
-from aivedio.local.runtime import LocalRuntime
+from aivedio_tools.local.runtime import LocalRuntime
 from tests.e2e.test_provider_bound_fairness import ACCOUNT, BODY, MAX_CONCURRENCY, PROVIDER, _ts, fairness_config
 from tests.scheduler_support import OPEN, UNCAPPED
 
@@ -61,7 +61,7 @@ def _post(http, key: str, idem: str, prompt: str) -> tuple[str, float]:
 
 def realised_ideal(own: list[tuple[float, float]], others: list[list[tuple[float, float]]], frees: list[float]) -> list[float]:
     """Per task of one tenant ((enqueue, start), in enqueue order): the realised-slot ideal wait, as
-    aivedio.simulate.metrics counts it; the others' tasks tell who was backlogged when."""
+    aivedio_tools.simulate.metrics counts it; the others' tasks tell who was backlogged when."""
     out, ideal_start = [], -math.inf
     for enq, _ in own:
         h = max(enq, ideal_start)

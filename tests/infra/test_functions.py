@@ -223,9 +223,9 @@ def test_a_stage_config_with_a_secret_or_a_simulator_fails_synthesis(tmp_path, t
 
 
 def test_no_function_or_batch_job_can_break_a_safeguard_or_arm_a_failpoint(synth):
-    """The chaos suite's switches (aivedio.chaos.safeguards, aivedio.chaos.failpoints) are never set
+    """The chaos suite's switches (aivedio.faults.safeguards, aivedio.faults.failpoints) are never set
     by the deployed platform, in any template of any stage: not on a Lambda, not on a Batch job."""
-    from aivedio.chaos import failpoints, safeguards
+    from aivedio.faults import failpoints, safeguards
 
     names = (safeguards.BREAK_ENV, safeguards.ALLOW_ENV, failpoints.ENV)
     templates = sorted(synth.outdir.glob("*.template.json"))

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from aivedio import events_routing
 from aivedio.config import PlatformConfig
-from aivedio.local import runtime
+from aivedio_tools.local import runtime
 from infra_cdk.functions import PROFILES
 from infra_cdk.messaging import MAX_RECEIVES, VISIBILITY_TIMEOUT_FACTOR
 from tests.infra.helpers import capabilities, lambdas, queue_name

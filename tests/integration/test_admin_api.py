@@ -14,9 +14,10 @@ import httpx
 import pytest
 
 from aivedio import auth, outbox
-from aivedio.admin import operators, rbac
-from aivedio.local.apigw import to_event
-from aivedio.local.lambda_context import FakeLambdaContext
+from aivedio.admin import operators
+from aivedio.policy import roles as rbac
+from aivedio_tools.local.apigw import to_event
+from aivedio_tools.local.lambda_context import FakeLambdaContext
 from tests.admission_support import new_tenant
 
 ROLES = rbac.OPERATOR_ROLES
@@ -283,7 +284,7 @@ def test_tenant_user_and_key_lifecycle_and_a_revoked_key_stops_working(platform,
 
 
 def test_a_tenant_is_created_only_with_a_policy_a_change_could_set(platform, ops, conn):
-    """The created policy is held to the rules of a policy change (aivedio.admin.policy): out of
+    """The created policy is held to the rules of a policy change (aivedio.policy.tenant_policy): out of
     bounds, contradicting caps, a reservation above the lane, a negative or wrongly typed value are
     422 naming each field, and nothing is written; a valid one is 201 and can be PATCHed after."""
     admin = ops["admin"].token
@@ -317,7 +318,7 @@ def test_a_tenant_is_created_only_with_a_policy_a_change_could_set(platform, ops
 
 @pytest.mark.parametrize("service_class", ["ENTERPRISE_RESERVED", "PAID_SHARED", "STANDARD", "BEST_EFFORT"])
 def test_each_class_default_policy_is_valid_and_changeable(platform, service_class):
-    from aivedio.admin import policy
+    from aivedio.policy import tenant_policy as policy
     from aivedio.admin.tenants import create_tenant
 
     t = create_tenant(platform, name=f"d-{uuid.uuid4().hex[:6]}", service_class=service_class, weight=10)
@@ -423,7 +424,7 @@ def test_a_wallet_is_partitioned_and_back_through_the_admin_api_audited_and_vali
 # --- one port for both APIs, locally ----------------------------------------------------------------
 
 def test_aivedio_serve_answers_the_tenant_and_the_admin_api_on_one_port(platform, ops):
-    from aivedio.local.runtime import LocalRuntime
+    from aivedio_tools.local.runtime import LocalRuntime
 
     tenant = new_tenant(platform)
     rt = LocalRuntime(platform, port=0, loops=[]).start()

@@ -12,7 +12,7 @@ from aivedio import auth
 
 
 def _aivedio(env: dict, *args: str) -> tuple[int, dict | None, str]:
-    done = subprocess.run([sys.executable, "-m", "aivedio.cli", *args], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "aivedio_tools.cli", *args], env=env, capture_output=True, text=True, timeout=120)
     out = done.stdout.strip()
     return done.returncode, (json.loads(out) if out else None), done.stderr
 

@@ -22,12 +22,13 @@ import uuid
 import psycopg
 import pytest
 
-from aivedio.admission import queue_stats, rate_limits
+from aivedio.scheduling import queue_stats
+from aivedio.admission import rate_limits
 from aivedio.admission.models import GenerationRequest
-from aivedio.admission.queue_stats import LaneStats
+from aivedio.scheduling.queue_stats import LaneStats
 from aivedio.admission.decisions import Rejected
 from aivedio.admission.service import IdempotencyKeyReused, admit
-from aivedio.bench.profile import count_trace
+from aivedio_tools.bench.profile import count_trace
 from tests.admission_support import BODY, new_tenant
 
 
@@ -135,7 +136,7 @@ def test_a_policy_changed_after_the_process_cached_it_applies_to_the_next_admiss
     t = new_tenant(p)
     req = GenerationRequest(**BODY)
     admit(p, t.caller, req, BODY, "cached")  # the policy is cached now
-    # Another process changes the policy, as aivedio.admin.policy does: with its version.
+    # Another process changes the policy, as aivedio.policy.tenant_policy does: with its version.
     conn.execute("""update tenant_scheduling_policy set max_queued_tasks = 1, policy_version = policy_version + 1
                      where tenant_id = %s""", (t.tenant_id,))
     probes = []
@@ -229,7 +230,7 @@ def test_the_queue_usage_the_limits_read_equals_the_queued_tasks(platform, conn)
     assert sum(r["tasks"] for r in rows) == 6
     # And the limits read it: the user with 3 queued tasks is full at 3.
     conn.execute("update tenant_scheduling_policy set max_user_queued_tasks = 3, policy_version = policy_version + 1 "
-                 "where tenant_id = %s", (t.tenant_id,))  # a change moves the version (aivedio.admin.policy)
+                 "where tenant_id = %s", (t.tenant_id,))  # a change moves the version (aivedio.policy.tenant_policy)
     with pytest.raises(Rejected) as e:
         admit(platform, other.caller, GenerationRequest(**BODY), BODY, "over")
     assert e.value.decision == "REJECT_USER_QUEUE_FULL"

@@ -113,7 +113,8 @@ def test_the_migration_keeps_a_tenants_money_and_queue_and_admission_goes_on(tmp
 def test_the_admission_function_refuses_a_transaction_that_wrote_before_it(platform, conn):
     """aivedio_admit makes the deferred constraints immediate for the rest of its transaction, so it
     runs alone in one (aivedio.admission.write calls it on an autocommit connection)."""
-    from aivedio.admission import queue_stats, write
+    from aivedio.scheduling import queue_stats
+    from aivedio.admission import write
     from aivedio.admission.service import prepare, tenant_policy
     from tests.admission_support import new_tenant
 

@@ -17,7 +17,7 @@ import pytest
 from aivedio.admin.tenants import create_tenant
 from aivedio.config import PlatformConfig, ProviderConfig, Settings
 from aivedio.context import build_platform
-from aivedio.local.runtime import LocalRuntime
+from aivedio_tools.local.runtime import LocalRuntime
 
 # The default provider offers video-model-x up to 4k and 60 s; a second one offers a smaller model,
 # so "a duration or resolution the model can't do" has a model to be said of.

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from aivedio.context import set_platform
-from aivedio.local.lambda_context import FakeLambdaContext
-from aivedio.local.workflow_runner import WorkflowRunner
+from aivedio_tools.local.lambda_context import FakeLambdaContext
+from aivedio_tools.local.workflow_runner import WorkflowRunner
 
 EVENTS = Path(__file__).resolve().parents[2] / "events"
 

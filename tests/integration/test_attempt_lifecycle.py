@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from aivedio.config import PlatformConfig, ProviderConfig, SimulatorBehaviour, Timers
-from aivedio.local.runtime import LocalRuntime
+from aivedio_tools.local.runtime import LocalRuntime
 from tests.admission_support import Api, new_tenant
 from tests.scheduler_support import UNCAPPED
 from tests.waiting import wait_for

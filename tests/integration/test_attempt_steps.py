@@ -17,7 +17,7 @@ from aivedio.attempts.lifecycle import AttemptRef
 from aivedio.bootstrap import apply_config
 from aivedio.config import Limits, MediaConfig, PlatformConfig, ProviderAccount, ProviderConfig, SimulatorBehaviour, Timers
 from aivedio.errors import Unauthenticated
-from aivedio.providers.simulator import SimulatorServer
+from aivedio_tools.provider_sim import SimulatorServer
 from aivedio.providers.webhooks import sign_webhook
 from aivedio.scheduling.scheduler import Scheduler
 from tests.admission_support import new_tenant, serve  # noqa: F401 - serve is a fixture
@@ -399,7 +399,7 @@ def test_cancel_before_submit_sends_nothing(world):
 
 def test_lease_scanner_restarts_lost_executions_once(world):
     from aivedio.attempts.recovery import restart_expired
-    from aivedio.local.workflow_runner import WorkflowRunner
+    from aivedio_tools.local.workflow_runner import WorkflowRunner
 
     p, sim = world()
     ref = claim_one(p)

@@ -15,8 +15,9 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from aivedio.admin import audit, rbac
-from aivedio.admin.audit import list_audit, verify
+from aivedio import audit
+from aivedio.policy import roles as rbac
+from aivedio.audit import list_audit, verify
 from aivedio.admin.operators import create_operator
 from aivedio.db.migrate import migrate
 from aivedio.errors import InvalidRequest
@@ -207,7 +208,7 @@ def test_list_is_newest_first_and_pages_with_an_opaque_cursor(fresh_url):
 
 def _aivedio(url: str, *args: str) -> tuple[int, dict | None, str]:
     env = {"AIVEDIO_DATABASE_URL": url, "AIVEDIO_REDIS_URL": "none", "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-m", "aivedio.cli", *args], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "aivedio_tools.cli", *args], env=env, capture_output=True, text=True, timeout=120)
     out = done.stdout.strip()
     return done.returncode, (json.loads(out) if out and "--json" in args else None), done.stderr
 
@@ -259,8 +260,8 @@ def test_the_migration_chains_the_rows_that_were_there_before_it(tmp_path):
 def test_the_audit_routes(fresh_url, redis_url, redis_prefix):
     from aivedio.config import PlatformConfig, Settings
     from aivedio.context import build_platform, set_platform
-    from aivedio.local.apigw import to_event
-    from aivedio.local.lambda_context import FakeLambdaContext
+    from aivedio_tools.local.apigw import to_event
+    from aivedio_tools.local.lambda_context import FakeLambdaContext
     from functions.admin_api.handler import lambda_handler
     from tests.conftest import TEST_HOME
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from aivedio.bench.admission import DATABASE_PREFIX, bench_admission
-from aivedio.bench.rounds import alternate, spread
+from aivedio_tools.bench.admission import DATABASE_PREFIX, bench_admission
+from aivedio_tools.bench.rounds import alternate, spread
 from tests.conftest import admin_url
 
 pytestmark = pytest.mark.timeout(600)
@@ -26,7 +26,8 @@ def _is_spread(s: dict, rounds: int) -> None:
 
 
 def test_the_admission_section(redis_url, monkeypatch):
-    from aivedio.admission import queue_stats, service
+    from aivedio.scheduling import queue_stats
+    from aivedio.admission import service
 
     # The profile counts the statements of admissions; a per-process cache expiring among its 20 (a
     # loaded machine, the ANALYZE before them) would add its reload's. Long TTLs here: exact counts.

@@ -8,8 +8,8 @@ import psycopg
 import pytest
 import redis
 
-from aivedio.bench.latency import pair_freed_slots, queue_was_deep
-from aivedio.bench.scheduler import DATABASE_PREFIX, REDIS_PREFIX, bench_claims, bench_pick_cost, bench_queue_depth
+from aivedio_tools.bench.latency import pair_freed_slots, queue_was_deep
+from aivedio_tools.bench.scheduler import DATABASE_PREFIX, REDIS_PREFIX, bench_claims, bench_pick_cost, bench_queue_depth
 from tests.conftest import admin_url
 
 # The leftover check compares every scratch database of these benchmarks, so the tests must not
@@ -81,7 +81,7 @@ def test_claim_rate_against_queue_depth(redis_url, no_leftovers):
 
 
 def test_latency_on_the_local_runtime(redis_url, no_leftovers):
-    from aivedio.bench.latency import bench_latency
+    from aivedio_tools.bench.latency import bench_latency
 
     r = bench_latency(admin_url(), redis_url, seconds=4.0, rate=10.0, clients=2, bound_slots=2, tenants=2)
     adm, freed = r["admission_to_submit"], r["freed_slot_to_next_submit"]

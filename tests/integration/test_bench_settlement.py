@@ -6,7 +6,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from aivedio.bench.settlement import DATABASE_PREFIX, bench_settlement
+from aivedio_tools.bench.settlement import DATABASE_PREFIX, bench_settlement
 from tests.conftest import admin_url
 
 pytestmark = pytest.mark.timeout(300)

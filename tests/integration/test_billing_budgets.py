@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from aivedio.billing import budgets
+from aivedio.spend import budgets
 from aivedio.billing.errors import BudgetExceeded, CurrencyMismatch, PermissionDenied
 from aivedio.config import BillingConfig
 from tests.billing_support import ADMIN, NOBODY, T0, grant_roles, make_attempt, make_task, new_wallet

@@ -18,7 +18,7 @@ from decimal import Decimal
 
 import pytest
 
-from aivedio.billing import costs
+from aivedio.spend import costs
 from aivedio.billing.errors import PermissionDenied
 from aivedio.billing.settlement import settle
 from tests.billing_support import ADMIN, NOBODY, T0, Cli, grant_roles, make_attempt, make_task, new_wallet, terminal

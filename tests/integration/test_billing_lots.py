@@ -156,7 +156,7 @@ def test_subscription_grants_once_per_period_at_the_exact_start(p, conn, clock):
 
 def test_the_scheduled_handler(p, conn, clock):
     from functions.credit_expiry.handler import lambda_handler
-    from aivedio.local.lambda_context import FakeLambdaContext
+    from aivedio_tools.local.lambda_context import FakeLambdaContext
 
     w = new_wallet(p, credits=0)
     p.db.transaction(lambda c: add_lot(c, w, 25, expires_at=EXPIRES))

@@ -21,8 +21,8 @@ from decimal import Decimal
 
 import pytest
 
-from aivedio.billing import media_costs
-from aivedio.billing.costs import cost_report
+from aivedio.spend import media_costs
+from aivedio.spend.costs import cost_report
 from aivedio.billing.errors import PermissionDenied
 from tests.billing_support import ADMIN, NOBODY, SUPPORT, T0, Cli, grant_roles, make_task, new_wallet
 

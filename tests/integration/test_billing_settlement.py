@@ -24,7 +24,7 @@ from decimal import Decimal
 import pytest
 
 from aivedio import outbox
-from aivedio.billing import budgets, costs
+from aivedio.spend import budgets, costs
 from aivedio.billing.ledger import lock_wallet
 from aivedio.billing.reservations import InsufficientCredit, lock_reservation, release_remaining, top_up
 from aivedio.billing.settlement import settle
@@ -340,7 +340,7 @@ def envelope(payload: dict, event_type: str, event_id=None) -> str:
 
 def test_the_sqs_handler_reports_only_the_bad_record(p, conn):
     from functions.settlement.handler import lambda_handler
-    from aivedio.local.lambda_context import FakeLambdaContext
+    from aivedio_tools.local.lambda_context import FakeLambdaContext
 
     w = new_wallet(p, credits=1000)
     task = run(p, lambda c: make_task(c, w))
@@ -360,7 +360,7 @@ def test_the_sqs_handler_reports_only_the_bad_record(p, conn):
 
 def test_the_local_runtime_delivers_terminal_events_to_settlement(p, conn):
     from aivedio import events_routing
-    from aivedio.local.runtime import sqs_consumer
+    from aivedio_tools.local.runtime import sqs_consumer
 
     assert events_routing.consumers()["settlement"] == ("TaskSucceeded", "TaskFailed", "TaskCancelled", "TaskMediaIngestFailed")
     w = new_wallet(p, credits=1000)

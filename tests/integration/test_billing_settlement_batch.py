@@ -16,7 +16,7 @@ import pytest
 from aivedio.billing.ledger import Entry, lock_wallet, post
 from aivedio.billing.settlement import Terminal, settle, settle_many
 from aivedio.context import set_platform
-from aivedio.local.lambda_context import FakeLambdaContext
+from aivedio_tools.local.lambda_context import FakeLambdaContext
 from tests.billing_support import EVENT_TYPE, T0, add_lot, assert_invariants, make_attempt, make_task, new_wallet, terminal
 from tests.integration.test_billing_settlement import envelope, sqs_event
 

@@ -129,7 +129,7 @@ def test_reconcile_wallets_cli(p, conn, db_url, monkeypatch, capsys):
 
 def test_the_scheduled_handler_freezes_a_drifted_wallet(p, conn):
     from aivedio.context import set_platform
-    from aivedio.local.lambda_context import FakeLambdaContext
+    from aivedio_tools.local.lambda_context import FakeLambdaContext
     from functions.wallet_check.handler import lambda_handler
 
     w = new_wallet(p, credits=100)

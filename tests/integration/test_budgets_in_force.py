@@ -14,7 +14,7 @@ import pytest
 from aivedio.admission.decisions import Rejected
 from aivedio.admission.models import GenerationRequest
 from aivedio.admission.service import admit
-from aivedio.billing import budgets
+from aivedio.spend import budgets
 from aivedio.scheduling.resources import ensure_platform_pools
 from aivedio.scheduling.scheduler import Scheduler
 from tests.admission_support import clear_cache, new_tenant

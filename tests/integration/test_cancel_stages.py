@@ -97,7 +97,7 @@ def park(p, ref: AttemptRef, *path: str) -> None:
 def run_workflow(p, ref: AttemptRef) -> list[dict]:
     """The lease scanner restarts the (reopened) attempt, and the local workflow runner runs the
     project's workflow definition with the real attempt_step core until it ends."""
-    from aivedio.local.workflow_runner import WorkflowRunner
+    from aivedio_tools.local.workflow_runner import WorkflowRunner
 
     calls: list[dict] = []
 

@@ -17,8 +17,8 @@ import psycopg
 import pytest
 
 from aivedio.admin import operators
-from aivedio.local.apigw import to_event
-from aivedio.local.lambda_context import FakeLambdaContext
+from aivedio_tools.local.apigw import to_event
+from aivedio_tools.local.lambda_context import FakeLambdaContext
 from aivedio.pricing import price_book
 from tests.admission_support import BODY, new_tenant
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _aivedio(env: dict, *args: str) -> tuple[int, dict | None, str]:
-    done = subprocess.run([sys.executable, "-m", "aivedio.cli", *args], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "aivedio_tools.cli", *args], env=env, capture_output=True, text=True, timeout=120)
     out = done.stdout.strip()
     try:
         return done.returncode, (json.loads(out) if out else None), done.stderr

@@ -21,7 +21,8 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from aivedio.admin import capacity, policy
+from aivedio.admin import capacity
+from aivedio.policy import tenant_policy as policy
 from aivedio.attempts import aimd
 from aivedio.bootstrap import apply_config
 from aivedio.config import LaneConfig, Limits, PlatformConfig, ProviderAccount, ProviderConfig

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from psycopg import errors
 
-from aivedio.chaos import db_faults
+from aivedio_tools.chaos import db_faults
 from tests.conftest import admin_url
 
 pytestmark = pytest.mark.timeout(60)

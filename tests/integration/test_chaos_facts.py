@@ -1,4 +1,4 @@
-"""aivedio.chaos.facts against a real PostgreSQL: a tenant admits two tasks and cancels one (settled
+"""aivedio_tools.chaos.facts against a real PostgreSQL: a tenant admits two tasks and cancels one (settled
 as settlement would), the facts are dumped, read back as JSON, and the checkers that read only facts
 find the real columns consistent; the checkers that read the history see the task left QUEUED."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from psycopg.sql import SQL, Identifier
 
 from aivedio.admission.cancel import cancel
 from aivedio.billing import settlement
-from aivedio.chaos import checkers, facts
-from aivedio.chaos.records import Run
+from aivedio_tools.chaos import checkers, facts
+from aivedio_tools.chaos.records import Run
 from tests.admission_support import new_tenant
 from tests.scheduler_support import OPEN, submit
 

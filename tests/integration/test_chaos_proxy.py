@@ -15,7 +15,7 @@ import pytest
 import redis
 from psycopg_pool import ConnectionPool
 
-from aivedio.chaos.proxy import FaultProxy
+from aivedio_tools.chaos.proxy import FaultProxy
 from tests.redis_server import RedisServer, redis_server_binary
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,7 +7,7 @@ import time
 import pytest
 import redis
 
-from aivedio.chaos import redis_faults
+from aivedio_tools.chaos import redis_faults
 from tests.redis_server import RedisServer, redis_server_binary
 
 pytestmark = [pytest.mark.timeout(60),

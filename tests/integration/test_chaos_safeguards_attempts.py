@@ -16,7 +16,7 @@ import pytest
 from aivedio.attempts import callbacks, executions, steps
 from aivedio.attempts.lifecycle import AttemptRef
 from aivedio.attempts.recovery import restart_expired
-from aivedio.chaos import failpoints, safeguards
+from aivedio.faults import failpoints, safeguards
 from aivedio.errors import Unauthenticated
 from aivedio.providers.registry import adapter
 from aivedio.scheduling.scheduler import Scheduler

@@ -3,7 +3,7 @@
 over the real PostgreSQL and Redis; and the two failpoints of these modules, each shown to crash
 exactly in its window.
 
-A switch is read once at import (aivedio.chaos.safeguards), so the in-process proofs set
+A switch is read once at import (aivedio.faults.safeguards), so the in-process proofs set
 `safeguards._BROKEN` for one test; the environment path (the allow variable, never in Lambda) and
 the failpoints, which kill their process, run in a child process."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ from aivedio import outbox
 from aivedio.admission.models import GenerationRequest
 from aivedio.admission.service import admit
 from aivedio.billing.settlement import settle, settle_many, Terminal
-from aivedio.chaos import failpoints, safeguards
+from aivedio.faults import failpoints, safeguards
 from aivedio.config import LaneConfig, Limits, PlatformConfig, ProviderAccount, ProviderConfig
 from aivedio.context import set_platform
 from aivedio.scheduling.resources import ensure_platform_pools, release_attempt
@@ -103,7 +103,7 @@ CHILD_CLAIMED = "c = Claimed(AttemptRef(UUID(a['tenant']), UUID(a['task']), UUID
 
 # --- the switches' environment -----------------------------------------------------------------------------
 
-IMPORT_SAFEGUARDS = "from aivedio.chaos import safeguards; print(sorted(safeguards._BROKEN))"
+IMPORT_SAFEGUARDS = "from aivedio_tools.chaos import safeguards; print(sorted(safeguards._BROKEN))"
 
 
 def test_a_switch_needs_its_allow_variable_a_known_name_and_no_lambda():
@@ -125,7 +125,7 @@ def test_a_switch_needs_its_allow_variable_a_known_name_and_no_lambda():
     # A failpoint is armed under the same allow variable, and never in Lambda.
     arm = {failpoints.ENV: "seed=1;after-ledger-before-ack=1"}
     for env in (arm, {**arm, **allow, "AWS_LAMBDA_FUNCTION_NAME": "aivedio-dev-settlement"}):
-        r = child("import aivedio.chaos.failpoints", env, {})
+        r = child("import aivedio.faults.failpoints", env, {})
         assert r.returncode != 0 and "SafeguardError" in r.stderr, (env, r.stderr)
 
 

@@ -16,7 +16,7 @@ from aivedio import events_routing, outbox, wakeups
 from aivedio.config import PlatformConfig, Timers
 from aivedio.context import set_platform
 from aivedio.events_routing import RELAY, TICK
-from aivedio.local.lambda_context import FakeLambdaContext
+from aivedio_tools.local.lambda_context import FakeLambdaContext
 from aivedio.scheduling.scheduler import TickReport
 
 IDLE = 5.0  # idle poll interval of these tests' loops: far longer than any wait a wake-up ends

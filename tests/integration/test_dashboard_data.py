@@ -14,7 +14,7 @@ import pytest
 
 from aivedio.admin.dashboard import AUDIT_ROWS, snapshot
 from aivedio.admin.operators import create_operator, revoke_operator
-from aivedio.local.runtime import LocalRuntime
+from aivedio_tools.local.runtime import LocalRuntime
 from aivedio.scheduling.resources import ensure_platform_pools
 from aivedio.scheduling.scheduler import Scheduler
 from tests.admission_support import new_tenant
@@ -380,8 +380,8 @@ def test_what_a_tenant_typed_reaches_the_page_only_as_data(platform, http):
 
 def test_behind_an_api_gateway_stage_links_and_redirects_keep_the_stage_prefix(platform):
     """In AWS the browser sees /<stage>/dashboard (requestContext.path); the event's path has no stage."""
-    from aivedio.local import apigw
-    from aivedio.local.lambda_context import FakeLambdaContext
+    from aivedio_tools.local import apigw
+    from aivedio_tools.local.lambda_context import FakeLambdaContext
     from functions.admin_api.handler import lambda_handler
 
     op = _operator(platform)

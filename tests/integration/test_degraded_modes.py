@@ -29,8 +29,8 @@ from psycopg.rows import dict_row
 from aivedio.config import (BillingConfig, LaneConfig, Limits, ManualClock, PlatformConfig, ProviderAccount, ProviderConfig,
                             Settings)
 from aivedio.context import build_platform, set_platform
-from aivedio.local.apigw import to_event
-from aivedio.local.lambda_context import FakeLambdaContext
+from aivedio_tools.local.apigw import to_event
+from aivedio_tools.local.lambda_context import FakeLambdaContext
 from aivedio.observability import metrics
 from aivedio.scheduling.resources import ensure_platform_pools, release_attempt
 from aivedio.scheduling.ring import Ring, active_tenants_pg, built_key

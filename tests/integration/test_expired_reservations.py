@@ -20,7 +20,7 @@ import uuid
 import psycopg
 import pytest
 
-from aivedio.billing import parked
+from aivedio.spend import parked
 from aivedio.reconcile import expired_reservations as svc
 from aivedio.reconcile import room
 from aivedio.scheduling.resources import rebuild_counters, release_attempt

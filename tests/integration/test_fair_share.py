@@ -19,8 +19,8 @@ from aivedio.admin.fair_share import lane_shares, tenant_fair_share
 from aivedio.config import LaneConfig, Limits, PlatformConfig, ProviderAccount, ProviderConfig, SchedulerConfig
 from aivedio.context import set_platform
 from aivedio.errors import InvalidRequest, NotFound
-from aivedio.local.apigw import to_event
-from aivedio.local.lambda_context import FakeLambdaContext
+from aivedio_tools.local.apigw import to_event
+from aivedio_tools.local.lambda_context import FakeLambdaContext
 from aivedio.scheduling.resources import ensure_platform_pools
 from aivedio.scheduling.scheduler import Scheduler
 from tests.admission_support import new_tenant

@@ -229,7 +229,7 @@ def test_an_expired_record_is_not_replayed_and_the_purge_deletes_expired_records
 def test_the_scheduled_purge_handler(make_platform, conn):
     from aivedio.context import set_platform
     from aivedio.events_routing import SCHEDULES
-    from aivedio.local.lambda_context import FakeLambdaContext
+    from aivedio_tools.local.lambda_context import FakeLambdaContext
     from functions.idempotency_purge.handler import lambda_handler
 
     [s] = [s for s in SCHEDULES if s.function == "idempotency_purge"]

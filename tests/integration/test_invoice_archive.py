@@ -1,4 +1,4 @@
-"""The invoice archive (aivedio.reconcile.invoice_archive): raw documents and reports under content-addressed
+"""The invoice archive (aivedio.spend.invoice_archive): raw documents and reports under content-addressed
 keys, never overwritten, in a local directory and in S3 (moto) with Object Lock, as a reconciliation run
 writes them."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from moto import mock_aws
 
 from aivedio.config import ManualClock
-from aivedio.reconcile import invoices
-from aivedio.reconcile.invoice_archive import ArchiveError, LocalArchive, S3Archive, archive_for, content_key, sha256_hex
+from aivedio.spend import invoices
+from aivedio.spend.invoice_archive import ArchiveError, LocalArchive, S3Archive, archive_for, content_key, sha256_hex
 from tests.invoice_support import ACCOUNT, D, NOW, InvoiceStub, Seeder, line, platform_config, provider_config
 
 pytestmark = pytest.mark.xdist_group("invoices")

@@ -1,4 +1,4 @@
-"""Invoice reconciliation (aivedio.reconcile.invoices) where it used to go wrong, against the real PostgreSQL:
+"""Invoice reconciliation (aivedio.spend.invoices) where it used to go wrong, against the real PostgreSQL:
 a line the database cannot hold, an unexpected error in one provider's run, a fix racing the settlement, a
 second credit note for one charge, a cursor far behind, and a late line for a day already COMPLETE."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ from decimal import Decimal
 
 import pytest
 
-from aivedio.billing import costs
+from aivedio.spend import costs
 from aivedio.config import ManualClock
 from aivedio.providers.adapter import Usage
-from aivedio.reconcile import invoices
+from aivedio.spend import invoices
 from tests.invoice_support import (ACCOUNT, D, NOW, InvoiceStub, Seeder, at, invoice_costs, items_of, line, platform_config,
                                    provider_config)
 

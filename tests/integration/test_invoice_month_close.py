@@ -1,4 +1,4 @@
-"""The month close of invoice reconciliation (aivedio.reconcile.invoices.close_month, `aivedio reconcile
+"""The month close of invoice reconciliation (aivedio.spend.invoices.close_month, `aivedio reconcile
 invoices-close`): refused while the month runs, unreconciled or closed; under RBAC and audit; frozen once
 closed, so what is found or corrected later is booked in the next open month with its original date."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.billing.errors import PermissionDenied
 from aivedio.config import ManualClock
 from aivedio.errors import InvalidRequest
-from aivedio.reconcile import invoices
+from aivedio.spend import invoices
 from tests.billing_support import ADMIN, NOBODY, Cli
 from tests.invoice_support import ACCOUNT, SECRET, InvoiceStub, Seeder, at, items_of, line, platform_config, provider_config
 

@@ -1,4 +1,4 @@
-"""The daily provider-invoice reconciliation (aivedio.reconcile.invoices) against the real PostgreSQL, driven
+"""The daily provider-invoice reconciliation (aivedio.spend.invoices) against the real PostgreSQL, driven
 alone: a seeded fixture with one of each discrepancy type, reruns that add nothing, bad input (a 5xx, a
 malformed document, an empty invoice where the platform recorded charges, a line id reused), the
 maintenance run over yesterday and the overlap window, the CLI under RBAC, and the provider simulator's
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.billing.errors import PermissionDenied
 from aivedio.observability import metrics
 from aivedio.config import ManualClock, PlatformConfig, ProviderAccount, ProviderConfig, SimulatorBehaviour
 from aivedio.providers.adapter import HttpProviderAdapter, SubmitRequest
-from aivedio.providers.simulator import SimulatorServer
-from aivedio.reconcile import invoices
-from aivedio.reconcile.invoice_archive import sha256_hex
+from aivedio_tools.provider_sim import SimulatorServer
+from aivedio.spend import invoices
+from aivedio.spend.invoice_archive import sha256_hex
 from tests.billing_support import ADMIN, NOBODY, Cli
 from tests.invoice_support import (ACCOUNT, D, NOW, SECRET, InvoiceStub, Seeder, at, invoice_costs, items_of, line,
                                    platform_config, provider_config)

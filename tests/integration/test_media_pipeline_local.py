@@ -1,4 +1,4 @@
-"""The local media dispatcher (aivedio.media.dispatch) with the real gpu-render worker as a subprocess,
+"""The local media dispatcher (aivedio_tools.local.media_dispatch) with the real gpu-render worker as a subprocess,
 real FFmpeg and a real clip served on the loopback as a built-in simulator would serve it:
 
 - a claim runs the worker within its slots, and its stdout's last line is applied as the RESULT;
@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from aivedio.attempts import lifecycle
-from aivedio.media import dispatch, pipeline
+from aivedio_tools.local import media_dispatch as dispatch
+from aivedio.media import pipeline
 from aivedio.providers.adapter import parse_job
-from aivedio.providers.simulator import make_mp4
+from aivedio_tools.provider_sim import make_mp4
 from tests.integration.test_media_pipeline import (_own_media_jobs, claimed, media_job, media_platform, rows,  # noqa: F401
                                                    task, used)
 

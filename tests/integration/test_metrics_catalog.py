@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aivedio import metrics_catalog as mc
-from aivedio.local import prometheus
-from aivedio.local.http_server import LambdaHttpServer
+from aivedio_tools.local import prometheus
+from aivedio_tools.local.http_server import LambdaHttpServer
 from aivedio.observability import metrics, publish
 from aivedio.scheduling.resources import ensure_platform_pools
 from aivedio.scheduling.scheduler import Scheduler

@@ -14,7 +14,7 @@ from tests.conftest import _with_db, admin_url
 def _run_migrate(url: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIVEDIO_")}
     env["AIVEDIO_DATABASE_URL"] = url
-    return subprocess.Popen([sys.executable, "-m", "aivedio.cli", "db", "migrate", "--json"], env=env,
+    return subprocess.Popen([sys.executable, "-m", "aivedio_tools.cli", "db", "migrate", "--json"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -45,7 +45,7 @@ def test_two_parallel_migrations_leave_one_schema():
 def test_unreachable_database_fails_with_one_clear_line():
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIVEDIO_")}
     env["AIVEDIO_DATABASE_URL"] = "postgresql://postgres:secret@127.0.0.1:1/nope"
-    p = subprocess.run([sys.executable, "-m", "aivedio.cli", "db", "migrate"], env=env, capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-m", "aivedio_tools.cli", "db", "migrate"], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("aivedio: database postgresql://postgres:***@127.0.0.1:1/nope: unreachable")

@@ -15,7 +15,8 @@ import pytest
 from psycopg.rows import dict_row
 
 from aivedio import auth
-from aivedio.admin import operators, rbac
+from aivedio.admin import operators
+from aivedio.policy import roles as rbac
 from aivedio.admin.operators import ADMIN_TOKEN_PREFIX, authenticate_operator, create_operator, list_operators
 from aivedio.admin.operators import revoke_operator, rotate_operator_token
 from aivedio.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unauthenticated
@@ -173,7 +174,7 @@ def test_a_denied_attempt_is_audited_in_its_own_transaction(platform, conn):
 # --- the CLI, as a user types it -------------------------------------------------------------------------------
 
 def _aivedio(env: dict, *args: str) -> tuple[int, dict | None, str]:
-    done = subprocess.run([sys.executable, "-m", "aivedio.cli", *args], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "aivedio_tools.cli", *args], env=env, capture_output=True, text=True, timeout=120)
     out = done.stdout.strip()
     return done.returncode, (json.loads(out) if out else None), done.stderr
 
@@ -233,8 +234,8 @@ def test_the_cli_creates_rotates_revokes_and_lists_operators(db_url, redis_url, 
 
 def _admin(platform, method: str, path: str, token: str | None, body: dict | None = None, query: str = "") -> tuple[int, dict]:
     from aivedio.context import set_platform
-    from aivedio.local.apigw import to_event
-    from aivedio.local.lambda_context import FakeLambdaContext
+    from aivedio_tools.local.apigw import to_event
+    from aivedio_tools.local.lambda_context import FakeLambdaContext
     from functions.admin_api.handler import lambda_handler
 
     set_platform(platform)

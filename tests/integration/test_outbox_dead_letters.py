@@ -22,7 +22,9 @@ from botocore.exceptions import ClientError
 from moto import mock_aws
 
 from aivedio import outbox
-from aivedio.admin import dead_letters, dead_letters_cli, rbac
+from aivedio.admin import dead_letters
+from aivedio_tools.cli import admin_outbox as dead_letters_cli
+from aivedio.policy import roles as rbac
 from aivedio.config import Limits, PlatformConfig
 from aivedio.errors import DomainError
 from aivedio.metrics_catalog import OUTBOX_DEAD_LETTERS
@@ -134,7 +136,7 @@ def test_list_and_redrive_as_an_operator_types_them(p, conn, db_url, monkeypatch
 def test_the_installed_command_lists_dead_letters(p, db_url):
     dead_letters_of(p, ["TaskFailed"])
     exe = Path(sys.executable).with_name("aivedio")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "aivedio.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "aivedio_tools.cli"]
     env = {"AIVEDIO_DATABASE_URL": db_url, "AIVEDIO_REDIS_URL": "none", "PATH": "/usr/bin:/bin"}
     done = subprocess.run([*cmd, "admin", "outbox", "list", "--json", "--operator", OPS], env=env, capture_output=True,
                           text=True, timeout=120)

@@ -17,7 +17,7 @@ import pytest
 
 from aivedio.admin.api_keys import create_api_key
 from aivedio.auth import authenticate, hash_key
-from aivedio.billing import budgets
+from aivedio.spend import budgets
 from aivedio.billing.errors import PermissionDenied
 from aivedio.billing.settlement import settle
 from aivedio.errors import InvalidRequest, NotFound

@@ -22,7 +22,7 @@ import pytest
 from aivedio.config import PlatformConfig, ProviderAccount, ProviderConfig, SimulatorBehaviour
 from aivedio.providers.adapter import (Accepted, HttpProviderAdapter, NotAcceptedRetryable, RejectedFinal, SubmitRequest,
                                        Unknown, build_adapters)
-from aivedio.providers.simulator import SimulatorServer, start_simulators
+from aivedio_tools.provider_sim import SimulatorServer, start_simulators
 from aivedio.providers.webhooks import verify_webhook
 from tests.waiting import wait_for as wait_until
 
@@ -577,7 +577,7 @@ def test_the_provider_sim_command_serves_the_contract(tmp_path):
     cfg.write_text('time_scale = 50.0\n[[providers]]\nname = "p-one"\n[[providers]]\nname = "p-two"\n'
                    '[[providers.accounts]]\naccount_id = "x1"\napi_key = "secret-x1"\n'
                    '[providers.simulator]\nidempotency_window_seconds = 1234\n')
-    proc = subprocess.Popen([sys.executable, "-m", "aivedio.cli", "provider-sim", "--port", "0", "--config", str(cfg),
+    proc = subprocess.Popen([sys.executable, "-m", "aivedio_tools.cli", "provider-sim", "--port", "0", "--config", str(cfg),
                              "--provider", "p-two"], stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stderr.readline()

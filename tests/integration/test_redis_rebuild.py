@@ -24,7 +24,7 @@ def cli(db_url, redis_url, prefix):
     env = {"AIVEDIO_DATABASE_URL": db_url, "AIVEDIO_REDIS_URL": redis_url, "AIVEDIO_REDIS_PREFIX": prefix, "PATH": "/usr/bin:/bin"}
 
     def aivedio(*args: str, **env_over: str) -> tuple[int, dict]:
-        done = subprocess.run([sys.executable, "-m", "aivedio.cli", *args], env={**env, **env_over}, capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "aivedio_tools.cli", *args], env={**env, **env_over}, capture_output=True,
                               text=True, timeout=120)
         assert done.stdout.count("\n") == 1, (done.stdout, done.stderr[-2000:])  # exactly one JSON document
         return done.returncode, json.loads(done.stdout)

@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import pytest
 
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.billing.errors import ApprovalRefused, PermissionDenied, RefundDailyLimitExceeded
 from aivedio.billing.refunds import approve_refund, reject_refund, request_refund
 from aivedio.billing.settlement import settle

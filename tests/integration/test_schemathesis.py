@@ -36,7 +36,7 @@ from aivedio.admin.tenants import create_tenant
 from aivedio.admission.models import InputRef
 from aivedio.config import Limits, PlatformConfig, Settings
 from aivedio.context import build_platform
-from aivedio.local.runtime import LocalRuntime
+from aivedio_tools.local.runtime import LocalRuntime
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance, negative_data_rejection]

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import pytest
 
-from aivedio.admission.estimates import estimate
+from aivedio.pricing.estimates import estimate
 from aivedio.admission.models import GenerationRequest
-from aivedio.simulate import build, run_scenario
-from aivedio.simulate.scenarios import BODY_1U, BODY_8U, BODY_15U, MODEL_A, MODEL_B, platform_config, with_model
+from aivedio_tools.simulate import build, run_scenario
+from aivedio_tools.simulate.scenarios import BODY_1U, BODY_8U, BODY_15U, MODEL_A, MODEL_B, platform_config, with_model
 from tests.conftest import admin_url
 
 

@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from aivedio.simulate import build, run_scenario
-from aivedio.simulate.checks import against_prediction
-from aivedio.simulate.cli import _summary
-from aivedio.simulate.scenarios import littles_law
+from aivedio_tools.simulate import build, run_scenario
+from aivedio_tools.simulate.checks import against_prediction
+from aivedio_tools.cli.simulate import _summary
+from aivedio_tools.simulate.scenarios import littles_law
 from tests.conftest import admin_url
 
 

@@ -1,5 +1,5 @@
 """Tenant scheduling policies (issue 16, contracts/operations.md): `aivedio admin tenant policy
-show|set` and its core, aivedio.admin.policy.
+show|set` and its core, aivedio.policy.tenant_policy.
 
 - every service class's default policy (admin.tenants.POLICY_DEFAULTS) passes the validation;
 - a change bumps policy_version and writes, with it, the history row, the audit row (old and new
@@ -25,7 +25,7 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from aivedio.admin import policy
+from aivedio.policy import tenant_policy as policy
 from aivedio.admin.tenants import POLICY_DEFAULTS, initial_burst_credit
 from aivedio.admission.models import GenerationRequest
 from aivedio.config import SERVICE_CLASSES, PlatformConfig, ProviderAccount, ProviderConfig

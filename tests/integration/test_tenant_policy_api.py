@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from aivedio.admin import policy
+from aivedio.policy import tenant_policy as policy
 from aivedio.admin.operators import create_operator
 from tests.admission_support import new_tenant, serve  # noqa: F401 - serve is a fixture
 

@@ -22,7 +22,8 @@ import pytest
 from decimal import Decimal
 
 from aivedio import outbox
-from aivedio.billing import costs, parked
+from aivedio.spend import costs
+from aivedio.spend import parked
 from aivedio.billing.settlement import Usage, settle
 from aivedio.config import Limits
 from aivedio.reconcile import room

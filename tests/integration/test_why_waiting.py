@@ -24,12 +24,12 @@ import jsonschema_rs
 import pytest
 
 from aivedio.admin import operators
-from aivedio.admission import queue_stats
+from aivedio import caching
 from aivedio.config import LaneConfig, Limits, PlatformConfig, ProviderAccount, ProviderConfig
 from aivedio.context import set_platform
 from aivedio.errors import NotFound
-from aivedio.local.apigw import to_event
-from aivedio.local.lambda_context import FakeLambdaContext
+from aivedio_tools.local.apigw import to_event
+from aivedio_tools.local.lambda_context import FakeLambdaContext
 from aivedio.scheduling import why_waiting
 from aivedio.scheduling.claim import NoRoom
 from aivedio.scheduling.resources import ensure_platform_pools
@@ -174,7 +174,7 @@ def test_a_spent_tenant_budget(start):
                      values ('TENANT', %s, %s, %s, %s, %s, %s, %s)""",
                   (str(t.tenant_id), t.tenant_id, now - timedelta(days=1), now + timedelta(days=1), Decimal("1"),
                    p.config.providers[0].currency, Decimal("2")))
-    queue_stats._cache(p).clear()  # budgets.in_force is cached a second per process
+    caching.clear(p)  # budgets.in_force is cached a second per process
     w = assert_binds(p, task, "BUDGET", f"tenant:{t.tenant_id}:budget")
     assert w["detail"]["why"] == "REJECT" and w["detail"]["scope"] == f"TENANT:{t.tenant_id}"
     assert w["estimated_start_at"] is None and w["estimated_start_seconds"] is None

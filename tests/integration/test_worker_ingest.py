@@ -24,7 +24,7 @@ from pathlib import Path
 import av
 import pytest
 
-from aivedio.providers.simulator import make_mp4, output_bytes
+from aivedio_tools.provider_sim import make_mp4, output_bytes
 from tests.waiting import wait_for
 
 imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg")
@@ -471,7 +471,7 @@ def test_object_tags_are_what_s3_accepts():
 def test_the_workers_verdict_on_the_simulators_outputs_and_misbehaviours(room):
     from aivedio.config import ProviderAccount, ProviderConfig, SimulatorBehaviour
     from aivedio.providers.adapter import HttpProviderAdapter, SubmitRequest
-    from aivedio.providers.simulator import SimulatorServer
+    from aivedio_tools.provider_sim import SimulatorServer
 
     out, work = room
     cfg = ProviderConfig(name="sim-media", webhook_secret="whsec_c2ltLXRlc3Qtc2VjcmV0",

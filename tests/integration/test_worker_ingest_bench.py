@@ -1,10 +1,10 @@
-"""aivedio.bench.media: proxies per minute per CPU unit through the gpu-render worker against plain
+"""aivedio_tools.bench.media: proxies per minute per CPU unit through the gpu-render worker against plain
 ffmpeg running the worker's proxy command line on the same clip, in the same run (a small run)."""
 from __future__ import annotations
 
 import pytest
 
-from aivedio.bench.media import bench_media
+from aivedio_tools.bench.media import bench_media
 
 pytest.importorskip("imageio_ffmpeg")
 

@@ -1,6 +1,6 @@
 """The attempt workflow's branches, run from the project's one definition (aivedio.attempts.workflow)
 by two executors: moto's Step Functions interpreter (an ASL implementation independent of ours,
-with `execute_state_machine`) and the local workflow runner (aivedio.local.workflow_runner). Both
+with `execute_state_machine`) and the local workflow runner (aivedio_tools.local.workflow_runner). Both
 call the same scripted step: canned answers per action, standing in for functions/attempt_step, so
 each branch (polling, SUBMIT_UNKNOWN adopted or sent to review, cancel, a transient step error
 retried, a step that keeps failing) is driven exactly. For each branch the test asserts moto's
@@ -40,7 +40,7 @@ from aivedio.attempts.executions import LOCAL_STEP_RESOURCE, local_definition  #
 from aivedio.attempts.workflow import (STEP_FUNCTION_PLACEHOLDER, definition, definition_json,  # noqa: E402
                                        execution_input, substitute)
 from aivedio.config import Clock  # noqa: E402
-from aivedio.local.workflow_runner import WorkflowRunner  # noqa: E402
+from aivedio_tools.local.workflow_runner import WorkflowRunner  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 REGION, ACCOUNT = "us-east-1", "123456789012"

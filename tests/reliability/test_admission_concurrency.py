@@ -45,7 +45,7 @@ pytestmark = pytest.mark.timeout(180)
 def _serve_api(db_url: str, redis_url: str, prefix: str, ready, stop) -> None:
     """Child process: the real `api` handler behind a local HTTP server, until `stop` is set."""
     from aivedio.context import build_platform
-    from aivedio.local.runtime import LocalRuntime
+    from aivedio_tools.local.runtime import LocalRuntime
 
     try:
         settings = Settings(database_url=db_url, redis_url=redis_url, redis_prefix=prefix, home=TEST_HOME)
@@ -395,9 +395,9 @@ def test_admission_never_waits_for_a_pool_connection_while_holding_the_wallet_lo
     filled the pool then waited on the wallet lock while its holder waited for a connection: a
     deadlock until the pool's 30 s timeout. With every lookup a cache miss and a pool of two,
     eight concurrent admissions must all finish promptly."""
-    from aivedio.admission import queue_stats
+    from aivedio import caching
 
-    monkeypatch.setattr(queue_stats, "CACHE_SECONDS", 0.0)
+    monkeypatch.setattr(caching, "CACHE_SECONDS", 0.0)
     platform = make_platform(pool_size=2)
     t = new_tenant(platform, credits=100 * PRICE)
     results: list = []

@@ -260,7 +260,7 @@ def runtime_main(role, idx, db_url, redis_url, prefix, cfg_json, loop_names, poo
     """A platform process: LocalRuntime (API server, workflow runner) with only the loops named."""
     try:
         from aivedio.events_routing import SCHEDULES
-        from aivedio.local.runtime import LocalRuntime, Loop, scheduled
+        from aivedio_tools.local.runtime import LocalRuntime, Loop, scheduled
 
         _quiet()
         config = PlatformConfig.model_validate(cfg_json)
@@ -364,7 +364,7 @@ def _settled(conn) -> dict[str, int]:
 
 @pytest.mark.timeout(600)
 def test_two_thousand_tasks_under_provider_faults(fresh_db, redis_url, redis_prefix, quiet_logs):
-    from aivedio.providers.simulator import SimulatorServer
+    from aivedio_tools.provider_sim import SimulatorServer
     from aivedio.scheduling.resources import rebuild_counters
 
     db_url = fresh_db
@@ -865,7 +865,7 @@ def _recv(pipe, timeout: float):
 def test_paused_worker_is_fenced_off(fresh_db, redis_url, redis_prefix, quiet_logs):
     from aivedio.admission.cancel import cancel
     from aivedio.attempts.recovery import restart_expired
-    from aivedio.providers.simulator import SimulatorServer
+    from aivedio_tools.provider_sim import SimulatorServer
     from tests.scheduler_support import submit
 
     sim = SimulatorServer(_provider(None, behaviour=FENCE_BEHAVIOUR, timeout=FENCE_TIMEOUT, accounts={"acc-1": 500}),
@@ -998,8 +998,8 @@ def test_cancel_races_completion(fresh_db, redis_url, redis_prefix, quiet_logs):
     from aivedio.admission.cancel import TaskTerminal, cancel
     from aivedio.attempts.steps import cancel as cancel_step
     from aivedio.context import set_platform
-    from aivedio.local.runtime import LocalRuntime
-    from aivedio.providers.simulator import SimulatorServer
+    from aivedio_tools.local.runtime import LocalRuntime
+    from aivedio_tools.provider_sim import SimulatorServer
     from tests.admission_support import Api
     from tests.scheduler_support import submit
 
@@ -1144,7 +1144,7 @@ def test_a_live_workflow_keeps_its_lease_while_the_provider_is_down(fresh_db, re
     from aivedio.attempts.steps import ACTIONS
     from aivedio.providers.adapter import ProviderError, RawResponse, Unknown
     from aivedio.providers.registry import adapter
-    from aivedio.providers.simulator import SimulatorServer
+    from aivedio_tools.provider_sim import SimulatorServer
     from tests.scheduler_support import submit
 
     cfg = _lease_config("http://127.0.0.1:9")
@@ -1198,8 +1198,8 @@ def test_an_adopted_job_is_not_left_recorded_as_an_orphan(fresh_db, redis_url, r
     task's own, billed to the tenant: it must not stay in the table reconciliation reads as "jobs
     the platform does not run for" (nor keep a later, real orphan record of it from being written)."""
     from aivedio.context import set_platform
-    from aivedio.local.runtime import LocalRuntime
-    from aivedio.providers.simulator import SimulatorServer
+    from aivedio_tools.local.runtime import LocalRuntime
+    from aivedio_tools.provider_sim import SimulatorServer
     from tests.scheduler_support import submit
 
     ts = 20.0
@@ -1246,7 +1246,7 @@ def test_a_webhook_racing_the_adoption_leaves_no_orphan(fresh_db, redis_url, red
     deletes the UNMAPPED record there is not yet), then the callback parks the job as UNMAPPED. The
     interleaving is forced by holding the callback between its read and its insert."""
     from aivedio.attempts import callbacks, steps
-    from aivedio.providers.simulator import SimulatorServer
+    from aivedio_tools.provider_sim import SimulatorServer
     from aivedio.providers.webhooks import sign_webhook
     from tests.scheduler_support import submit
 

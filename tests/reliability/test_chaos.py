@@ -2,9 +2,9 @@
 
 - The plan: the same seed gives the same plan; seeds differ in their fault intensities; no plan
   takes the last process of a role down.
-- The sweep (aivedio.chaos.sweep.ci_seeds): the seeds that ever failed, the fixed seeds and a seed
+- The sweep (aivedio_tools.chaos.sweep.ci_seeds): the seeds that ever failed, the fixed seeds and a seed
   derived from the commit, each a short run whose every checker must stay silent.
-- The switches (aivedio.chaos.sweep.ci_switches, a rotating subset chosen by the commit): the
+- The switches (aivedio_tools.chaos.sweep.ci_switches, a rotating subset chosen by the commit): the
   switch's targeted seed with the switch makes its checker fire; the same seed without it fires
   none. `CHAOS_SWITCHES=all` (or a comma list) runs others.
 - `aivedio chaos check DIR`, typed as a user types it, gives the run's verdict again offline.
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from aivedio.chaos import plan as plans
-from aivedio.chaos import sweep
-from aivedio.chaos.safeguards import SAFEGUARDS
+from aivedio_tools.chaos import plan as plans
+from aivedio_tools.chaos import sweep
+from aivedio.faults.safeguards import SAFEGUARDS
 from tests.conftest import admin_url
 
 RUN_SECONDS = 12.0
@@ -40,7 +40,7 @@ def _switches() -> list[str]:
 
 
 def _run(tmp_path: Path, seed: int, **kw) -> dict:
-    from aivedio.chaos import runner
+    from aivedio_tools.chaos import runner
 
     out = tmp_path / f"seed-{seed}-{kw.get('target') or 'none'}-{'-'.join(kw.get('breaks', ())) or 'intact'}"
     v = runner.run(seed, RUN_SECONDS, out, admin_url=admin_url(), echo=print, **kw)
@@ -82,7 +82,7 @@ def test_no_plan_takes_the_last_process_of_a_role_down():
 
 
 def test_every_safeguard_has_a_target_and_its_checker_exists():
-    from aivedio.chaos.checkers import CHECKERS
+    from aivedio_tools.chaos.checkers import CHECKERS
 
     assert set(plans.TARGETS) == set(SAFEGUARDS)
     for name, spec in plans.TARGETS.items():
@@ -99,9 +99,9 @@ def test_a_run_that_fails_while_it_is_set_up_leaks_no_database_and_no_server(tmp
     """The simulator refuses to start after the run's database and redis-server exist: both are undone."""
     import psycopg
 
-    from aivedio.chaos import runner
-    from aivedio.chaos.redis_server import RedisServer
-    from aivedio.providers.simulator import SimulatorServer
+    from aivedio_tools.chaos import runner
+    from aivedio_tools.chaos.redis_server import RedisServer
+    from aivedio_tools.provider_sim import SimulatorServer
 
     started: list[RedisServer] = []
     real_start = RedisServer.start
@@ -156,7 +156,7 @@ def test_a_broken_safeguard_is_caught_by_its_checker(tmp_path, switch):
 
 
 def test_the_readme_lists_every_checker():
-    from aivedio.chaos.checkers import CHECKERS
+    from aivedio_tools.chaos.checkers import CHECKERS
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("### The chaos suite", 1)[1].split("\n## ", 1)[0]

@@ -286,7 +286,7 @@ def _ring_vs_postgresql(p, db_url) -> tuple[dict, dict]:
 
 def _healthz(p) -> dict:
     from aivedio.context import set_platform
-    from aivedio.local.lambda_context import FakeLambdaContext
+    from aivedio_tools.local.lambda_context import FakeLambdaContext
     from functions.api.handler import lambda_handler
 
     set_platform(p)

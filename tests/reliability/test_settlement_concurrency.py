@@ -42,7 +42,7 @@ OUTCOMES = [("SUCCEEDED", "PROVIDER_SUCCEEDED")] * 4 + [(s, stg) for s, stages i
 def _consumer(db_url: str, work, done, failures) -> None:
     """Child process: one Lambda instance of the settlement function, pulling batches until told to stop."""
     from aivedio.context import build_platform, set_platform
-    from aivedio.local.lambda_context import FakeLambdaContext
+    from aivedio_tools.local.lambda_context import FakeLambdaContext
     from functions.settlement.handler import lambda_handler
 
     platform = build_platform(Settings(database_url=db_url, redis_url="none", home=TEST_HOME), PlatformConfig(), pool_size=1)
@@ -155,7 +155,7 @@ def test_duplicated_shuffled_deliveries_to_four_consumers(platform, conn, db_url
     # redelivered, as SQS would: settle the redeliveries here, once more through the real handler.
     if retried:
         from aivedio.context import set_platform
-        from aivedio.local.lambda_context import FakeLambdaContext
+        from aivedio_tools.local.lambda_context import FakeLambdaContext
         from functions.settlement.handler import lambda_handler
 
         set_platform(platform)

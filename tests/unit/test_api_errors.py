@@ -8,8 +8,8 @@ from aws_lambda_powertools.event_handler.openapi.params import Header, Query
 from pydantic import BaseModel, Field
 
 from aivedio.errors import DomainError, NotFound
-from aivedio.local.apigw import from_response, to_event
-from aivedio.local.lambda_context import FakeLambdaContext
+from aivedio_tools.local.apigw import from_response, to_event
+from aivedio_tools.local.lambda_context import FakeLambdaContext
 from functions.api import errors
 
 

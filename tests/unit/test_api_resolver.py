@@ -8,8 +8,8 @@ import threading
 
 from aws_lambda_powertools.event_handler.router import APIGatewayRouter
 
-from aivedio.local import apigw
-from aivedio.local.lambda_context import FakeLambdaContext
+from aivedio_tools.local import apigw
+from aivedio_tools.local.lambda_context import FakeLambdaContext
 from functions.api.resolver import ThreadLocalRestResolver
 
 N = 6

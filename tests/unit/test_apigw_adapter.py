@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from aivedio.local.apigw import MalformedProxyResponse, from_response, to_event
+from aivedio_tools.local.apigw import MalformedProxyResponse, from_response, to_event
 
 NOW = datetime(2026, 6, 24, 8, 5, 0, tzinfo=timezone.utc)
 
@@ -99,7 +99,7 @@ def test_malformed_responses_are_rejected(bad):
 
 
 def test_event_drives_the_real_api_handler_to_a_404(platform):
-    from aivedio.local.lambda_context import FakeLambdaContext
+    from aivedio_tools.local.lambda_context import FakeLambdaContext
     from functions.api.handler import lambda_handler
 
     out = from_response(lambda_handler(to_event("GET", "/no/such/route", "", [], b""), FakeLambdaContext("api")))

@@ -1,4 +1,4 @@
-"""Pure parts of the operator plane (issue 16): the role table of aivedio.admin.rbac, the audit
+"""Pure parts of the operator plane (issue 16): the role table of aivedio.policy.roles, the audit
 list's opaque cursor, and the admin token's shape. No database."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from aivedio.admin import rbac
-from aivedio.admin.audit import _decode_cursor, _encode_cursor
+from aivedio.policy import roles as rbac
+from aivedio.audit import _decode_cursor, _encode_cursor
 from aivedio.admin.operators import ADMIN_TOKEN_PREFIX, _new_token, hash_token, validate_name, validate_role
 from aivedio.auth import KEY_PREFIX
 from aivedio.errors import InvalidRequest

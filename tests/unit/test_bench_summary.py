@@ -1,7 +1,7 @@
 """The bench's summary reads each section's figures and targets where the section states them."""
 from __future__ import annotations
 
-from aivedio.bench.summary import summarise
+from aivedio_tools.bench.summary import summarise
 
 
 def test_every_stated_target_is_summarised_met_or_missed():

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from aivedio.chaos import checkers
-from aivedio.chaos.checkers import CHECKERS, MAX_EXCERPT, Violation, check_all
-from aivedio.chaos.facts import FACT_FILES, OPTIONAL_FACTS
-from aivedio.chaos.records import Run, RunFileMalformed, RunFileMissing
+from aivedio_tools.chaos import checkers
+from aivedio_tools.chaos.checkers import CHECKERS, MAX_EXCERPT, Violation, check_all
+from aivedio_tools.chaos.facts import FACT_FILES, OPTIONAL_FACTS
+from aivedio_tools.chaos.records import Run, RunFileMalformed, RunFileMissing
 
 T = "00000000-0000-0000-0000-00000000000t"  # the tenant
 W = "00000000-0000-0000-0000-00000000000w"  # its wallet
@@ -674,7 +674,7 @@ def test_column_values_become_json():
     from decimal import Decimal
     from uuid import UUID
 
-    from aivedio.chaos.facts import json_safe
+    from aivedio_tools.chaos.facts import json_safe
 
     when = datetime(2025, 1, 1, tzinfo=UTC)
     row = {"id": UUID(int=1), "cost": Decimal("0.250"), "at": when, "raw": b"\x00\x01", "doc": {"nested": [Decimal(1)]},

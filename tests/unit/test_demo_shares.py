@@ -1,4 +1,4 @@
-"""The demo report's shares "while contended" (aivedio.demo_report.contended_shares): each claim made
+"""The demo report's shares "while contended" (aivedio_tools.demo.report.contended_shares): each claim made
 while two or more tenants had work waiting is divided by weight among the tenants waiting at that
 moment (what they were entitled to), beside what each was given. Cumulative shares follow what was
 submitted, so they cannot show the weights."""
@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from aivedio.demo_report import contended_shares, media_queue_items, task_queue_items
+from aivedio_tools.demo.report import contended_shares, media_queue_items, task_queue_items
 
 T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
 

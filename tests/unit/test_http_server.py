@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from aivedio.local.http_server import MAX_BODY_BYTES, LambdaHttpServer, read_headers
+from aivedio_tools.local.http_server import MAX_BODY_BYTES, LambdaHttpServer, read_headers
 
 
 def echo_handler(event, context):

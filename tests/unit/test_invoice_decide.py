@@ -1,4 +1,4 @@
-"""The pure decisions of invoice reconciliation (aivedio.reconcile.invoice_items.decide_*), without a database:
+"""The pure decisions of invoice reconciliation (aivedio.spend.invoice_matching.decide_*), without a database:
 what each combination of an attempt, its lines and its cost events is."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from decimal import Decimal
 
 import pytest
 
-from aivedio.reconcile.invoice_items import (Attempt, Cost, Ctx, Line, decide_attempt, decide_internal, money, next_month)
+from aivedio.spend.invoice_matching import Attempt, Cost, Ctx, Line, decide_attempt, decide_internal, money, next_month
 
 T = datetime(2026, 6, 24, 10, tzinfo=timezone.utc)
 DAY = T.date()

@@ -6,7 +6,7 @@ import pytest
 from aivedio.attempts.executions import local_definition
 from aivedio.attempts.workflow import definition
 from aivedio.config import Clock
-from aivedio.local.workflow_runner import ExecutionAlreadyExists, WorkflowRunner, parameters, read_path, write_path
+from aivedio_tools.local.workflow_runner import ExecutionAlreadyExists, WorkflowRunner, parameters, read_path, write_path
 
 FAST = Clock(time_scale=10_000)
 

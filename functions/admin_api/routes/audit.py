@@ -1,5 +1,5 @@
 """The audit log (contracts/admin-api.md `GET /admin/v1/audit`) and its chain's verification. Thin
-over aivedio.admin.audit."""
+over aivedio.audit."""
 from __future__ import annotations
 
 from typing import Annotated
@@ -7,7 +7,7 @@ from typing import Annotated
 from aws_lambda_powertools.event_handler.api_gateway import Router
 from aws_lambda_powertools.event_handler.openapi.params import Query
 
-from aivedio.admin import audit
+from aivedio import audit
 from aivedio.context import get_platform
 from functions.admin_api.access import requires
 

@@ -1,5 +1,5 @@
 """Capacities, admission switches, price versions and budgets (contracts/admin-api.md, issue 16). Thin
-over aivedio.admin.capacity, aivedio.pricing.price_book and aivedio.billing.budgets, the same cores
+over aivedio.admin.capacity, aivedio.pricing.price_book and aivedio.spend.budgets, the same cores
 as `aivedio admin lane|pool|provider-account|switch|price|budget ...`.
 
 Bodies take any JSON values for the figures: the core checks each (an integer, in range, borrowable
@@ -17,7 +17,7 @@ from aws_lambda_powertools.event_handler.openapi.params import Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from aivedio.admin import capacity
-from aivedio.billing import budgets
+from aivedio.spend import budgets
 from aivedio.context import get_platform
 from aivedio.errors import InvalidRequest
 from aivedio.pricing import price_book

@@ -26,7 +26,8 @@ from aws_lambda_powertools.event_handler import Response, content_types
 from aws_lambda_powertools.event_handler.api_gateway import Router
 from aws_lambda_powertools.shared.cookies import Cookie, SameSite
 
-from aivedio.admin import dashboard, rbac
+from aivedio.admin import dashboard
+from aivedio.policy import roles as rbac
 from aivedio.admin.operators import Operator, authenticate_operator, end_session, open_session
 from aivedio.context import get_platform
 from aivedio.db.pool import UNAVAILABLE

@@ -17,7 +17,8 @@ from aws_lambda_powertools.event_handler.openapi.params import Query
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from aivedio import outbox
-from aivedio.admin import dead_letters, rbac
+from aivedio.admin import dead_letters
+from aivedio.policy import roles as rbac
 from aivedio.attempts import review
 from aivedio.billing import compensation, refunds
 from aivedio.context import get_platform
@@ -34,7 +35,7 @@ register_status(
     COMPENSATION_INVALID=422, APPROVAL_REFUSED=409, CURRENCY_MISMATCH=409, WALLET_FROZEN=409, REFUND_KEY_REUSED=409,
     REFUND_NOT_FOUND=404, COMPENSATION_CASE_EXISTS=409)
 
-# The money controls' refusals that leave an audit row (aivedio.billing.cli.AUDITED_REFUSALS).
+# The money controls' refusals that leave an audit row (aivedio_tools.cli.admin_billing.AUDITED_REFUSALS).
 AUDITED_REFUSALS = ("REFUND_DAILY_LIMIT_EXCEEDED", "APPROVAL_REFUSED")
 
 

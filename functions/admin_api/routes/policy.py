@@ -1,5 +1,5 @@
 """Tenant scheduling policies (contracts/admin-api.md): show, change, history. Thin over
-aivedio.admin.policy, the same core as `aivedio admin tenant policy show|set`."""
+aivedio.policy.tenant_policy, the same core as `aivedio admin tenant policy show|set`."""
 from __future__ import annotations
 
 from typing import Annotated, Any
@@ -8,7 +8,7 @@ from aws_lambda_powertools.event_handler.api_gateway import Router
 from aws_lambda_powertools.event_handler.openapi.params import Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from aivedio.admin import policy
+from aivedio.policy import tenant_policy as policy
 from aivedio.context import get_platform
 from functions.admin_api.access import operator_of, requires
 

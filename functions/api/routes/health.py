@@ -1,5 +1,5 @@
 """GET /healthz: whether this process can reach its database and Redis, which degraded modes are
-active (aivedio.degraded), the backlogs an operator watches, and how the local loops fare."""
+active (aivedio.degraded, probed by aivedio.health), the backlogs an operator watches, and how the local loops fare."""
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -7,7 +7,7 @@ from typing import Any, Literal
 from aws_lambda_powertools.event_handler.router import APIGatewayRouter
 from pydantic import BaseModel, Field
 
-from aivedio import degraded
+from aivedio import degraded, health
 from aivedio.context import get_platform
 from functions.api.routes.schemas import errors
 
@@ -39,7 +39,7 @@ class Health(BaseModel):
                        **errors(413, 422)})  # the gate's size limit applies here too; 422 replaces Powertools' own shape
 def healthz() -> Health:
     platform = get_platform()
-    h = degraded.evaluate(platform)
+    h = health.evaluate(platform)
     return Health(status=h.status, database=h.database, redis=h.redis,
                   degraded={m.mode: DegradedModeView(reason=m.reason, since=m.since.isoformat(), detail=m.detail) for m in h.modes},
                   outbox_pending=h.outbox_pending, outbox_oldest_pending_seconds=h.outbox_oldest_pending_seconds,

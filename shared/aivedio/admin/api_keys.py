@@ -10,8 +10,8 @@ from uuid import UUID
 import psycopg
 
 from aivedio import auth
-from aivedio.admin import rbac
-from aivedio.billing.budgets import project_scope_id
+from aivedio.policy import roles as rbac
+from aivedio.spend.budgets import project_scope_id
 from aivedio.errors import Conflict, NotFound
 
 FIRST_OWNER = """

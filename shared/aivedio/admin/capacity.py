@@ -38,7 +38,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from aivedio.admission.estimates import RESOURCE_CLASSES
+from aivedio.pricing.estimates import RESOURCE_CLASSES
 from aivedio.config import LANES, PlatformConfig
 from aivedio.errors import InvalidRequest
 from aivedio.observability import logger
@@ -244,7 +244,7 @@ def _locked_settings(conn, kind: str, key: str) -> dict:
 
 
 def _audit(conn, *, operator: str, action: str, target: str, old: dict, new: dict, reason: str | None) -> None:
-    from aivedio.admin import rbac
+    from aivedio.policy import roles as rbac
 
     rbac.audit(conn, operator=operator, action=action, target=target, old=old, new=new, reason=reason)
 
@@ -290,7 +290,7 @@ def set_lane(conn: psycopg.Connection, config: PlatformConfig, *, operator: str,
         # policies, by admin.policy.set_policy against the lanes. Both take the policy-set lock
         # first (then the override key, the shards, the audit chain head), so each sees the other
         # committed, never a state the other is about to change.
-        from aivedio.admin.policy import POLICY_SET_LOCK
+        from aivedio.policy.tenant_policy import POLICY_SET_LOCK
 
         conn.execute(POLICY_SET_LOCK)
     current = _locked_settings(conn, "LANE", lane)

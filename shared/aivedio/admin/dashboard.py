@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 
-from aivedio.admission.queue_stats import cached
+from aivedio.caching import cached
 from aivedio.scheduling.resources import account_key
 
 AUDIT_ROWS = 20  # the recent audit trail shown

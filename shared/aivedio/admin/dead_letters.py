@@ -1,6 +1,6 @@
 """Dead letters, for an operator (contracts/operations.md): outbox events that failed every delivery,
 and the SQS dead-letter queues in AWS. Each operation checks its permission and, when it changes
-something, appends its audit rows in the caller's transaction (aivedio.admin.rbac); redrive_queue,
+something, appends its audit rows in the caller's transaction (aivedio.policy.roles); redrive_queue,
 whose change is in AWS, in transactions of its own around it.
 
 - list_outbox (outbox.read): the events of one status, FAILED by default, oldest first;
@@ -25,7 +25,7 @@ from uuid import UUID
 import psycopg
 
 from aivedio import outbox
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.errors import DomainError, InvalidRequest, NotFound
 
 MAX_LIST = 1000

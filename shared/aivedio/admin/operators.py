@@ -20,7 +20,7 @@ from uuid import UUID
 import psycopg
 
 from aivedio import auth
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unauthenticated
 
 ADMIN_TOKEN_PREFIX = "avop_"

@@ -71,7 +71,7 @@ def create_tenant(platform, *, name: str, service_class: str, weight: int, credi
     nothing. `trusted`: no policy validation, for the platform's own fixtures only (the simulator
     and the tests, whose policies open limits far past an operator's bounds or reserve more than a
     small test lane holds); the admin API and the CLI never pass it."""
-    from aivedio.admin import policy as policies
+    from aivedio.policy import tenant_policy as policies
 
     bad = {}
     if not isinstance(name, str) or not name or len(name) > 128:

@@ -12,7 +12,7 @@ from uuid import UUID
 import psycopg
 
 from aivedio import auth
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.errors import InvalidRequest, NotFound
 
 USER_ROLES = ("MEMBER", "OWNER")

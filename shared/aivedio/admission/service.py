@@ -38,17 +38,17 @@ from datetime import datetime
 
 import psycopg
 
-from aivedio import degraded
+from aivedio import degraded, outbox
 from aivedio.admin import capacity
-from aivedio.admission import queue_stats
+from aivedio.scheduling import queue_stats
 from aivedio.admission.decisions import Rejected
-from aivedio.admission.estimates import Estimate, check_capabilities, estimate
+from aivedio.pricing.estimates import Estimate, check_capabilities, estimate
 from aivedio.admission.models import GenerationRequest
 from aivedio.admission import write
 from aivedio.admission.rate_limits import give_back, take_all
 from aivedio.auth import Caller
-from aivedio.billing import budgets
-from aivedio.chaos import safeguards
+from aivedio.spend import budgets
+from aivedio.faults import safeguards
 from aivedio.errors import Conflict, DomainError, InvalidRequest
 from aivedio.media.probe import probe_inputs
 from aivedio.metrics_catalog import ADMISSIONS_ACCEPTED, ADMISSION_REJECTIONS
@@ -218,7 +218,7 @@ SELECT_POLICY = """select p.tenant_id, t.service_class as tenant_service_class, 
                           p.max_wait_seconds
                      from tenant_scheduling_policy p join tenant t using (tenant_id)
                     where p.tenant_id = %(t)s"""
-POLICY_CACHE_SECONDS = 1.0  # as admission's other per-process caches (queue_stats.CACHE_SECONDS)
+POLICY_CACHE_SECONDS = 1.0  # as admission's other per-process caches (aivedio.caching.CACHE_SECONDS)
 POLICY_CACHE_MAX_TENANTS = 10_000  # a flood of tenants clears the cache rather than growing it
 POLICY_TRIES = 3  # calls decided under a policy that changed meanwhile, before giving up
 
@@ -227,7 +227,7 @@ def tenant_policy(platform, tenant_id, *, fresh: bool = False) -> dict:
     """The tenant's policy as admission reads it, cached per process for POLICY_CACHE_SECONDS. A
     cached policy never decides alone: aivedio_admit refuses a call decided under a version that is
     no longer in force (POLICY_STALE, migration 0240), and the caller asks again with fresh=True.
-    Every policy change moves policy_version (aivedio.admin.policy)."""
+    Every policy change moves policy_version (aivedio.policy.tenant_policy)."""
     cache = platform.extras.setdefault("admission_policies", {})
     now = time.monotonic()
     hit = None if fresh else cache.get(tenant_id)
@@ -388,7 +388,7 @@ def _check_lane(platform, policy: dict, est: Estimate) -> None:
         raise Rejected("REJECT_RESOURCE_CLASS_DISABLED", f"admission to {est.queue_class} is closed", 60)
     if not capacity.resource_class_open(platform, est.resource_class):
         raise Rejected("REJECT_RESOURCE_CLASS_DISABLED", f"admission of {est.resource_class} work is closed", 60)
-    overload = queue_stats.outbox_overload(platform)
+    overload = outbox.outbox_overload(platform)
     if overload is not None:  # the bus is down or the relay stalled (ch. 18.18): stop new work until it drains
         degraded.enter(platform, degraded.OUTBOX_BACKLOG, overload)
         raise Rejected("REJECT_PLATFORM_OVERLOADED", f"the platform is overloaded ({overload}); retry later", 30)

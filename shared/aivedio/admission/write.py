@@ -29,9 +29,9 @@ from psycopg.types.json import Jsonb
 
 from aivedio import outbox
 from aivedio.admission.decisions import Rejected
-from aivedio.admission.estimates import Estimate
+from aivedio.pricing.estimates import Estimate
 from aivedio.admission.models import GenerationRequest
-from aivedio.admission.queue_stats import LaneStats
+from aivedio.scheduling.queue_stats import LaneStats
 from aivedio.db.pool import MAX_TX_ATTEMPTS, RETRYABLE
 from aivedio.observability import logger
 from aivedio.pricing.price_book import Quote

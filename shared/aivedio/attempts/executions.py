@@ -8,7 +8,7 @@ import json
 
 from aivedio.attempts.lifecycle import AttemptRef
 from aivedio.attempts.workflow import STEP_FUNCTION_PLACEHOLDER, definition, execution_input, substitute
-from aivedio.chaos import failpoints
+from aivedio.faults import failpoints
 from aivedio.config import Settings
 from aivedio.observability import logger
 

@@ -20,8 +20,8 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from aivedio import outbox, tasks
-from aivedio.billing import budgets
-from aivedio.chaos import safeguards
+from aivedio.spend import budgets
+from aivedio.faults import safeguards
 from aivedio.metrics_catalog import ATTEMPTS_REQUEUED, REVIEW_ADOPTED, STALE_WRITES_REFUSED, TASKS_FINISHED
 from aivedio.observability import logger, publish
 from aivedio.providers.adapter import ProviderJob

@@ -8,7 +8,7 @@ from __future__ import annotations
 from aivedio.attempts import executions
 from aivedio.attempts.lifecycle import LIVE, AttemptRef
 from aivedio.attempts.steps import to_manual_review
-from aivedio.chaos import safeguards
+from aivedio.faults import safeguards
 from aivedio.metrics_catalog import ATTEMPTS_RECOVERED
 from aivedio.observability import logger, publish
 

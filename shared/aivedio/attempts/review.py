@@ -44,7 +44,7 @@ from uuid import UUID
 import psycopg
 from psycopg.types.json import Jsonb
 
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.attempts.lifecycle import (AttemptRef, Loaded, finish, load, lock_job, reopen_adopted, requeue, set_attempt)
 from aivedio.attempts.steps import absence_proven
 from aivedio.errors import DomainError, InvalidRequest, NotFound

@@ -2,7 +2,7 @@
 
 infra_cdk builds the Step Functions state machine from `definition()` with the attempt_step
 function's ARN substituted for ${AttemptStepFunctionArn}; the local workflow runner
-(aivedio.local.workflow_runner) executes the very same document, calling the same handler. Each
+(aivedio_tools.local.workflow_runner) executes the very same document, calling the same handler. Each
 Task state invokes one step of aivedio.attempts.steps, which answers with `next`; the choice
 states route on it. Waits take their length from the step's answer (SecondsPath), so polling
 stages, jitter and backoff are decided in one place, the Python step.

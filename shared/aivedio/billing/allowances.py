@@ -23,7 +23,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.billing.ledger import Entry, post
 from aivedio.errors import InvalidRequest, NotFound
 

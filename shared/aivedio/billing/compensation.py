@@ -14,7 +14,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.billing import lots
 from aivedio.billing.errors import ApprovalRefused, CompensationInvalid, TaskNotFound, WalletFrozen
 from aivedio.billing.ledger import Entry, lock_wallet, post

@@ -15,7 +15,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.billing.errors import CorrectionRefused
 from aivedio.billing.ledger import Entry, find_transaction, lock_wallet, post
 from aivedio.errors import NotFound

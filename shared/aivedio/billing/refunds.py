@@ -29,7 +29,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.billing import contract_budgets, lots
 from aivedio.billing.errors import (ApprovalRefused, RefundDailyLimitExceeded, RefundExceedsSettled, RefundTenantMismatch,
                                     TaskNotFound, WalletFrozen)

@@ -38,9 +38,11 @@ import psycopg
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aivedio import outbox
-from aivedio.billing import budgets, contract_budgets, costs, lots, parked, policies, refunds
+from aivedio.spend import budgets, costs
+from aivedio.billing import contract_budgets, lots, policies, refunds
+from aivedio.spend import parked
 from aivedio.billing.reservations import Closing, InsufficientCredit, close_many, open_allocations, top_up
-from aivedio.chaos import failpoints, safeguards
+from aivedio.faults import failpoints, safeguards
 from aivedio.db.pool import in_transaction
 from aivedio.metrics_catalog import SETTLEMENTS, SETTLEMENT_ABSORBED_CREDITS, SETTLEMENT_REPLAYS
 from aivedio.observability import logger, publish

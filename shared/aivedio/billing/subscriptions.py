@@ -12,7 +12,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.admin.tenants import grant_credits
 from aivedio.billing.ledger import lock_wallet
 from aivedio.errors import InvalidRequest, NotFound

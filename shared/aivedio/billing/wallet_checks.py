@@ -20,7 +20,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.billing import allowances
 from aivedio.billing.ledger import Entry, ledger_aggregate, post
 from aivedio.errors import Conflict, NotFound

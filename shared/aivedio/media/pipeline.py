@@ -5,7 +5,7 @@ checked, playable video in the platform's own storage before the task is SUCCEED
    provider_succeeded() moves the task to PROVIDER_SUCCEEDED, finishes the attempt as the
    provider's (its slots released, its cost and BILLABLE state on it, as for any success) and writes
    the task's media_job (output version 1, PENDING), in the same transaction. No terminal event yet.
-2. A dispatcher (the local media loop, aivedio.media.dispatch; in AWS media.batch.dispatch) calls
+2. A dispatcher (the local media loop, aivedio_tools.local.media_dispatch; in AWS media.batch.dispatch) calls
    claim_next(): PENDING jobs whose worker slots fit are reserved through the claim's own machinery
    (resource_reservation rows of the task's attempt on the pool worker:<media class>, a conditional
    increment of its shard), the task moves PROVIDER_SUCCEEDED -> MEDIA_PROCESSING by CAS, the job
@@ -32,6 +32,7 @@ Lock order, everywhere: the task row, then its media_job row, then the pool shar
 order). Every function here runs in the caller's transaction."""
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal, InvalidOperation
@@ -46,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aivedio import tasks
 from aivedio.attempts import lifecycle
-from aivedio.billing.costs import QUANTUM, MediaCost, record_media_costs
+from aivedio.spend.costs import QUANTUM, MediaCost, record_media_costs
 from aivedio.errors import DomainError
 from aivedio.metrics_catalog import TASKS_FINISHED
 from aivedio.observability import logger, publish
@@ -121,9 +122,24 @@ def key_prefix(tenant_id: Any, task_id: Any, output_version: int) -> str:
     return f"outputs/{tenant_id}/{task_id}/v{int(output_version)}/"
 
 
+# platform.extras: the local runtime's media dispatcher (aivedio_tools.local.media_dispatch.run_local),
+# which functions/media_submit calls where no AWS Batch is configured.
+LOCAL_DISPATCHER = "local_media_dispatcher"
+
+
 def media_root(platform) -> Path:
     """The local media directory ([media] local_dir, else <AIVEDIO_HOME>/media): keys are relative to it."""
     return Path(platform.config.media.local_dir or Path(platform.settings.home) / "media").resolve()
+
+
+def remove_outputs(outputs: str, platform) -> None:
+    """Remove a local output directory (a failed task's partial outputs); never outside the media root."""
+    if outputs.startswith("s3://"):
+        return
+    path = Path(outputs).resolve()
+    root = media_root(platform)
+    if path != root and root in path.parents and path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def outputs_location(platform, job_row: dict) -> str:
@@ -567,7 +583,7 @@ def _record_storage_cost(platform, conn: psycopg.Connection, job: dict, res: Med
                          outputs: list[tuple[_Output, str]], now: datetime) -> None:
     """The stored outputs' first month, booked once per output version when they are stored. Not in
     AWS: there the media bucket's storage is imported from the Cost and Usage Report, attributed by
-    the objects' task tags (aivedio.billing.media_costs), and booking it here too would count it twice."""
+    the objects' task tags (aivedio.spend.media_costs), and booking it here too would count it twice."""
     if platform.settings.media_bucket:
         return
     m = platform.config.media

@@ -12,7 +12,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.admission.estimates import Estimate
+from aivedio.pricing.estimates import Estimate
 from aivedio.config import PlatformConfig
 from aivedio.errors import InvalidRequest
 from aivedio.observability import logger
@@ -161,7 +161,7 @@ def current(platform) -> Priced:
     only applies to tasks admitted after it is seen. When the price book cannot be read, the last
     snapshot under the rules above, else Rejected(REJECT_PRICING_UNAVAILABLE)."""
     from aivedio import degraded
-    from aivedio.admission.queue_stats import cached
+    from aivedio.caching import cached
 
     def load() -> Priced:
         try:
@@ -303,7 +303,7 @@ def create_price_version(conn: psycopg.Connection, config: PlatformConfig, *, op
     Refused with InvalidRequest naming the field, writing nothing, when the range is empty, starts in
     the past over a version in force, or overlaps another ACTIVE version of the product other than
     the open-ended one it supersedes (closed at effective_from). Audited as price.create."""
-    from aivedio.admin import rbac
+    from aivedio.policy import roles as rbac
 
     bad: dict[str, str] = {}
     if product_code not in PRODUCTS:

@@ -18,7 +18,7 @@ It never moves a reservation: the counter follows the facts, not the other way r
 from __future__ import annotations
 
 from aivedio import degraded
-from aivedio.admin import rbac
+from aivedio.policy import roles as rbac
 from aivedio.observability import logger
 from aivedio.reconcile import room
 from aivedio.reconcile.room import Defaults, Report

@@ -134,9 +134,7 @@ def repair_one(platform, row: dict, described: dict[str, dict | None], now: date
         return False
     report.count(outcome.lower())
     if outcome == pipeline.FAILED:
-        from aivedio.media.dispatch import remove_outputs
-
-        remove_outputs(pipeline.outputs_location(platform, row), platform)
+        pipeline.remove_outputs(pipeline.outputs_location(platform, row), platform)
     log = logger.info if outcome == "extended" else logger.warning
     log("media job past its lease", extra={"tenant_id": str(row["tenant_id"]), "task_id": str(row["task_id"]),
                                           "output_version": row["output_version"], "worker_ref": ref or None,

@@ -37,7 +37,7 @@ from psycopg.types.json import Jsonb
 from aivedio.attempts.lifecycle import LIVE, lock_job, provider_charged
 from aivedio.attempts.review import ABANDON_JOB
 from aivedio.attempts.steps import absence_proven
-from aivedio.billing.costs import record_provider_cost
+from aivedio.spend.costs import record_provider_cost
 from aivedio.observability import logger
 from aivedio.providers.adapter import Lookup, ProviderError, ProviderJob
 from aivedio.providers.registry import UnknownProvider, adapter

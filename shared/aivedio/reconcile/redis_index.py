@@ -11,14 +11,14 @@ in the ring's list and once in its membership set. PostgreSQL is the fact. Each 
   out, then PostgreSQL is asked again and the tenant put back if it has queued work now. Taking
   out first and asking after means a task admitted meanwhile is never lost from the ring: either
   the second look sees it, or its queue indexer runs after the removal and adds the tenant;
-- publishes every degraded mode's gauge (aivedio.degraded.publish_gauges), so the DegradedMode
+- publishes every degraded mode's gauge (aivedio.health.publish_gauges), so the DegradedMode
   line is drawn even while nobody asks /healthz.
 Deficits and paused turns are PostgreSQL's (drr_lane_tenant) and are left alone: the ring only says
 who is visited. With Redis down the run does nothing but report it: the tick schedules from
 PostgreSQL meanwhile, and the next run after Redis answers repairs."""
 from __future__ import annotations
 
-from aivedio import degraded
+from aivedio import health
 from aivedio.cache.client import CacheUnavailable
 from aivedio.reconcile import room
 from aivedio.reconcile.room import Defaults, Report
@@ -40,7 +40,7 @@ def _lane_sql(lane: str):
 
 def run_once(platform) -> Report:
     report = Report(NAME)
-    degraded.publish_gauges(platform)
+    health.publish_gauges(platform)
     ring = Ring(platform)
     tuning = room.tuning(platform, NAME)
     work: list[tuple[str, str, str]] = []  # (add | reset, lane, tenant id)

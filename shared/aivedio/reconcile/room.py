@@ -211,7 +211,7 @@ SERVICES: tuple[Service, ...] = (
             "retry a job whose worker still runs within its lease, kill a process that is not the job's worker, or make a "
             "second output version"),
     # --- provider invoices (reconcile/invoices.py) ---
-    Service("invoice-reconcile", "aivedio.reconcile.invoices",
+    Service("invoice-reconcile", "aivedio.spend.invoices",
             "each provider's invoice for yesterday (UTC) and a re-pulled overlap window, archived content-addressed, "
             "matched by charge id, job id and idempotency key against the platform's cost events: every discrepancy an "
             "item with evidence; only the fixes of ch. 20.10.5, each an appended cost event (source INVOICE); a day "

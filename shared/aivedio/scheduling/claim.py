@@ -13,7 +13,7 @@ from datetime import datetime
 import psycopg
 from psycopg.types.json import Jsonb
 
-from aivedio.chaos import safeguards
+from aivedio.faults import safeguards
 from aivedio.scheduling.resources import Demand, account_key, ensure_pools, preferred_shard, provider_key
 from aivedio.scheduling.router import Route
 

@@ -13,7 +13,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.chaos import safeguards
+from aivedio.faults import safeguards
 from aivedio.config import PlatformConfig
 from aivedio.tasks import TERMINAL
 

@@ -7,7 +7,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from decimal import Decimal
 
-from aivedio.admission.queue_stats import cached
+from aivedio.caching import cached
 from aivedio.config import RESOLUTIONS, PlatformConfig
 from aivedio.scheduling.resources import account_key
 

@@ -19,8 +19,8 @@ from psycopg.types.json import Jsonb
 
 from aivedio import degraded
 from aivedio.admin import capacity
-from aivedio.admin.policy import POLICY_EPOCH, admitted_service_class
-from aivedio.billing import budgets
+from aivedio.policy.tenant_policy import POLICY_EPOCH, admitted_service_class
+from aivedio.spend import budgets
 from aivedio.billing.errors import BudgetExceeded, CurrencyMismatch
 from aivedio.metrics_catalog import CLAIMS, FIT_SCAN_SKIPS, QUEUE_WAIT_SECONDS
 from aivedio.observability import logger, publish

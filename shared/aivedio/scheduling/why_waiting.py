@@ -21,8 +21,8 @@ import psycopg
 from psycopg import sql
 
 from aivedio import degraded
-from aivedio.admission import queue_stats
-from aivedio.billing import budgets
+from aivedio.scheduling import queue_stats
+from aivedio.spend import budgets
 from aivedio.cache.client import CacheUnavailable
 from aivedio.errors import NotFound
 from aivedio.scheduling import drr, router

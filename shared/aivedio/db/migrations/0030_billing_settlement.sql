@@ -68,7 +68,7 @@ CREATE TABLE billing_parked_event (
 CREATE INDEX idx_billing_parked_event_open ON billing_parked_event (reason, created_at) WHERE status = 'OPEN';
 CREATE INDEX idx_billing_parked_event_task ON billing_parked_event (task_id) WHERE task_id IS NOT NULL;
 
--- Operator roles for the admin commands (aivedio.admin.rbac); grants and revocations are audited.
+-- Operator roles for the admin commands (aivedio.policy.roles); grants and revocations are audited.
 CREATE TABLE operator_role (
     operator   text NOT NULL CONSTRAINT operator_role_operator_nonempty CHECK (char_length(operator) > 0),
     role       text NOT NULL

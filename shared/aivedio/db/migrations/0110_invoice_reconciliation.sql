@@ -1,4 +1,4 @@
--- 0110: daily provider-invoice reconciliation (ch. 20.5.7, 20.10; aivedio.reconcile.invoices): the documents
+-- 0110: daily provider-invoice reconciliation (ch. 20.5.7, 20.10; aivedio.spend.invoices): the documents
 -- fetched and archived, each line's match, items that a rerun carries instead of copying, a cursor per
 -- provider, and month closes.
 

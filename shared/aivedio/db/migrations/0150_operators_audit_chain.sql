@@ -1,5 +1,5 @@
 -- 0150: operator accounts with admin tokens (aivedio.admin.operators) and the chained audit log
--- (aivedio.admin.audit, issue 16).
+-- (aivedio.audit, issue 16).
 
 -- An API operator: one of the operator plane's roles and one admin token, stored as sha256 hex only.
 CREATE TABLE operator_account (

@@ -1,4 +1,4 @@
--- 0160: the last good policy set (aivedio.admin.policy, issue 16; ch. 18.18, 18.19.4).
+-- 0160: the last good policy set (aivedio.policy.tenant_policy, issue 16; ch. 18.18, 18.19.4).
 --
 -- Every accepted policy change (validated as a whole before it commits) appends the whole set in
 -- force after it: each tenant's policy with its policy_version. The newest row is the last good

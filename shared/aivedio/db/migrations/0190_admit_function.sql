@@ -76,7 +76,7 @@ SELECT tenant_id, user_id, queue_class, count(*), coalesce(sum(fairness_units), 
 DROP INDEX idx_credit_lot_expiring;
 CREATE INDEX idx_credit_lot_expiring ON credit_lot (expires_at) WHERE expires_at IS NOT NULL;
 
--- aivedio.admission.queue_stats.expected_wait_seconds, the same arithmetic (a unit test compares
+-- aivedio.scheduling.queue_stats.expected_wait_seconds, the same arithmetic (a unit test compares
 -- them): real seconds until a task of `units` could start, the lesser of the whole lane ahead at mu
 -- and the tenant's own queue at its weighted DRR share of mu.
 CREATE FUNCTION aivedio_expected_wait(

@@ -2,7 +2,7 @@
 -- policy and the key's idempotency record before the call: the policy comes from a per-process cache
 -- (aivedio.admission.service.tenant_policy), and aivedio_admit, which already answered a key's record
 -- (RECORD) before any check, now also checks that the policy it was given is the one in force: a
--- policy whose version moved on (aivedio.admin.policy moves it with every change) answers
+-- policy whose version moved on (aivedio.policy.tenant_policy moves it with every change) answers
 -- POLICY_STALE before any write, and the caller reloads the policy and decides again. Otherwise 0230's
 -- function, unchanged: the same parameters, answers, locks, checks and writes.
 CREATE OR REPLACE FUNCTION aivedio_admit(
