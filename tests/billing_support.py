@@ -12,7 +12,8 @@ from decimal import Decimal
 import psycopg
 
 from aivedio.policy import roles as rbac
-from aivedio.admin.tenants import create_tenant, grant_credits
+from aivedio.admin.tenants import create_tenant
+from aivedio.billing.lots import grant_credits
 from aivedio.billing.ledger import ledger_aggregate, lock_wallet
 from aivedio.billing.reservations import reserve
 from aivedio.config import PlatformConfig

@@ -87,7 +87,8 @@ def _named_tenant(route, path: str) -> UUID | None:
 
 def gate(app, event: dict) -> dict | None:
     """None lets the request through (with the operator in app.context); otherwise the proxy answer."""
-    from aivedio.policy import roles as rbac
+    from aivedio import audit
+    from aivedio.policy import roles
     from aivedio.admin.operators import authenticate_operator
 
     platform = get_platform()
@@ -119,11 +120,11 @@ def gate(app, event: dict) -> dict | None:
         return _reply(403, "FORBIDDEN", e.message)
     except UNAVAILABLE:
         return database_unavailable_reply(platform)
-    if not rbac.allowed(operator.role, permission):
+    if not roles.allowed(operator.role, permission):
         reason = f"role {operator.role} lacks {permission}"
         try:
-            rbac.audit_denied(platform, operator=operator.audit_name, action=permission,
-                              target=f"{method} {path}", reason=reason, tenant_id=_named_tenant(route, path))
+            audit.append_denied(platform, operator=operator.audit_name, action=permission,
+                                target=f"{method} {path}", reason=reason, tenant_id=_named_tenant(route, path))
         except UNAVAILABLE:
             return database_unavailable_reply(platform)
         return _reply(403, "FORBIDDEN", f"operator {operator.name!r} may not {permission}",

@@ -1,4 +1,11 @@
-"""Reading and verifying the audit log (issue 16, contracts/admin-api.md `GET /admin/v1/audit`).
+"""The audit log (ch. 20.13.2, 20.13.5): who changed what, when and why, for every operator
+action, the admin API's refusals included.
+
+`append` adds one row in the caller's transaction, so an operation and its audit record exist
+together or not at all; a refused operation writes nothing but, where the refusal itself must be
+kept (a role the token lacks, a money control's refusal), `append_denied` writes it in a
+transaction of its own. The operator is a name: `op:<name>` for an operator of the admin API
+(aivedio.admin.operators), `cli:<os user>` or the CLI's --operator for a command.
 
 audit_log is append-only (a trigger refuses UPDATE, DELETE, TRUNCATE) and chained (migration 0150):
 the BEFORE INSERT trigger locks audit_chain_head, draws the row's id, sets prev_hash to the head's
@@ -14,11 +21,15 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from typing import Any
+from uuid import UUID
 
 import psycopg
 
 from aivedio.errors import InvalidRequest
 
+INSERT_AUDIT = """insert into audit_log (tenant_id, operator, action, target, old_value, new_value, reason, policy_version)
+                  values (%s, %s, %s, %s, %s, %s, %s, %s)"""
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 500
 
@@ -70,6 +81,22 @@ PROBLEMS = {
     "HEAD_HASH": "the chain head's hash differs from the last row's ({id})",
     "NO_HEAD": "audit_chain_head is missing",
 }
+
+
+def append(conn: psycopg.Connection, *, operator: str, action: str, target: str | None, tenant_id: UUID | None = None,
+           old: Any = None, new: Any = None, reason: str | None = None, policy_version: int | None = None) -> None:
+    """Append one audit_log row in the caller's transaction (the chain trigger of migration 0150 links it)."""
+    conn.execute(INSERT_AUDIT, (tenant_id, operator, action, target, None if old is None else json.dumps(old, default=str),
+                                None if new is None else json.dumps(new, default=str), reason, policy_version))
+
+
+def append_denied(platform, *, operator: str, action: str, target: str | None, reason: str,
+                  tenant_id: UUID | None = None) -> None:
+    """A refused attempt, audited in a transaction of its own: the refused request writes nothing else.
+    `tenant_id`, the tenant the request named, files the denial with that tenant's audit rows."""
+    platform.db.transaction(lambda conn: append(conn, operator=operator, action=f"{action}.denied", target=target,
+                                                tenant_id=tenant_id, new={"outcome": "DENIED", "action": action},
+                                                reason=reason))
 
 
 def _encode_cursor(audit_id: int) -> str:

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 import psycopg
 import pytest
 
-from aivedio.admin.tenants import grant_credits
+from aivedio.billing.lots import grant_credits
 from aivedio.admission.decisions import REJECT_STATUS, Rejected
 from aivedio.admission.models import GenerationRequest
 from aivedio.admission.service import admit

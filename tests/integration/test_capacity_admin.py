@@ -14,7 +14,9 @@ from datetime import timedelta
 import psycopg
 import pytest
 
-from aivedio.admin import capacity
+from aivedio.admin import capacity, prices
+from aivedio.scheduling import resources
+from aivedio.policy import capacity as policy_capacity
 from aivedio.admission.decisions import Rejected
 from aivedio.admission.models import GenerationRequest
 from aivedio.admission.service import admit
@@ -120,7 +122,7 @@ def test_a_lowered_account_concurrency_binds_the_next_claims_and_running_work_fi
     old = {a.attempt_id for a in running}  # in flight when the limit was lowered
     for _ in range(12):  # finish work one at a time; after each, a convergence pass and a tick
         complete(p, running.pop(0))
-        capacity.converge(p, force=True)
+        resources.converge(p, force=True)
         sched.tick(5)
         running += pick_attempts(p, 100)
         assert in_use(conn, key) == len(running)
@@ -128,7 +130,7 @@ def test_a_lowered_account_concurrency_binds_the_next_claims_and_running_work_fi
         assert len(running) <= max(2, sum(a.attempt_id in old for a in running)), running
     # Drained: exactly the new limit runs, and the shards are the plain split of 2.
     assert in_use(conn, key) == 2
-    capacity.converge(p, force=True)
+    resources.converge(p, force=True)
     assert [c for c, _, _ in shards(conn, key)] == split(2, 2)
 
     [row] = audit_rows(conn, "provider_account.set")
@@ -177,7 +179,7 @@ def test_a_process_start_keeps_the_operators_capacities(make_platform, conn):
     assert [c for c, _, _ in shards(conn, account_key(PROVIDER, ACCOUNT))] == split(3, 2)
     assert sum(c for c, _, _ in shards(conn, "lane:PAID_SHARED")) == 40
     assert sum(c for c, _, _ in shards(conn, "worker:gpu")) == 7
-    assert capacity.effective_config(other).lanes["PAID_SHARED"].capacity_units == 40
+    assert policy_capacity.effective_config(other).lanes["PAID_SHARED"].capacity_units == 40
 
 
 # --- lanes and pools ----------------------------------------------------------------------------------
@@ -195,7 +197,7 @@ def test_a_lane_change_resizes_its_pool_shows_in_the_report_and_is_audited(make_
     # A second change keeps the first's other fields.
     change(p, lambda c: capacity.set_lane(c, p.config, operator="ops", lane="ENTERPRISE_RESERVED", borrowable_units=0,
                                           reason="no lending"))
-    eff = capacity.effective_config(p).lanes["ENTERPRISE_RESERVED"]
+    eff = policy_capacity.effective_config(p).lanes["ENTERPRISE_RESERVED"]
     assert (eff.capacity_units, eff.borrowable_units) == (300, 0)
     assert sum(c for c, _, _ in shards(conn, "lane:ENTERPRISE_RESERVED:lent")) == 0
     report = {r["lane"]: r for r in capacity.lane_report(p)}
@@ -213,7 +215,7 @@ def test_a_lane_change_resizes_its_pool_shows_in_the_report_and_is_audited(make_
                                                  reason="two GPUs down"))
     assert (pool["capacity_units"], pool["configured_units"]) == (4, 32)
     with p.db.connection() as c:
-        [gpu] = capacity.pool_report(c, p.config, capacity.load_overrides(c), "worker:gpu")
+        [gpu] = capacity.pool_report(c, p.config, policy_capacity.load_overrides(c), "worker:gpu")
     assert (gpu["capacity_units"], gpu["in_force_units"], gpu["configured_units"]) == (4, 4, 32)
     [row] = audit_rows(conn, "pool.set")
     assert (row["target"], row["old_value"], row["new_value"]) == ("pool:worker:gpu", {"capacity_units": 32},
@@ -250,14 +252,14 @@ def test_a_closed_resource_class_is_refused_in_every_process_within_seconds_and_
     change(admin_side, lambda c: capacity.set_switch(c, admin_side.config, operator="ops", resource_class="video-standard",
                                                      open=False, reason="provider incident"))
     assert _within_seconds(lambda: _rejected(api_side, t) == "REJECT_RESOURCE_CLASS_DISABLED",
-                           capacity.CACHE_SECONDS + 2)
+                           policy_capacity.CACHE_SECONDS + 2)
     assert _rejected(api_side, t, {**BODY, "resolution": "4k"}) is None  # another class is still open
-    [sw] = [s for s in capacity.switch_report(admin_side.config, capacity.overrides(admin_side))
+    [sw] = [s for s in capacity.switch_report(admin_side.config, policy_capacity.overrides(admin_side))
             if s["switch"] == "resource_class:video-standard"]
     assert sw["open"] is False and sw["override"]["reason"] == "provider incident"
     change(admin_side, lambda c: capacity.set_switch(c, admin_side.config, operator="ops", resource_class="video-standard",
                                                      open=True, reason="resolved"))
-    assert _within_seconds(lambda: _rejected(api_side, t) is None, capacity.CACHE_SECONDS + 2)
+    assert _within_seconds(lambda: _rejected(api_side, t) is None, policy_capacity.CACHE_SECONDS + 2)
     rows = audit_rows(conn, "switch.set")
     assert [(r["old_value"], r["new_value"], r["target"]) for r in rows] == [
         ({"open": True}, {"open": False}, "switch:resource_class:video-standard"),
@@ -289,7 +291,7 @@ def test_price_versions_never_overlap_and_a_refusal_changes_nothing(make_platfor
     with p.db.connection() as c:
         config_version = price_book.ensure_price_book(c, p.config, now)
     later = now + timedelta(hours=1)
-    doc = change(p, lambda c: price_book.create_price_version(
+    doc = change(p, lambda c: prices.create_price_version(
         c, p.config, operator="fin-ann", effective_from=later, models={"video-model-x": {"per_second_amount": 12}},
         reason="new rates", now=p.clock.now()))
     assert doc["supersedes"] == str(config_version) and doc["effective_to"] is None
@@ -303,18 +305,18 @@ def test_price_versions_never_overlap_and_a_refusal_changes_nothing(make_platfor
                        (later, "the same start as the new version"),
                        (now - timedelta(days=1), "in the past, over the version in force")):
         with pytest.raises(InvalidRequest) as e:
-            capacity.run_change(p, lambda c, s=start: price_book.create_price_version(
+            capacity.run_change(p, lambda c, s=start: prices.create_price_version(
                 c, p.config, operator="fin-ann", effective_from=s, models={}, reason="again", now=p.clock.now()))
         assert "effective_from" in e.value.fields and "overlaps" in e.value.fields["effective_from"], why
     assert footprint(conn) == before  # nothing changed, not even an audit row
 
     # A version after the open one supersedes it at its start; a bounded one then refuses what it covers.
-    doc2 = change(p, lambda c: price_book.create_price_version(
+    doc2 = change(p, lambda c: prices.create_price_version(
         c, p.config, operator="fin-ann", effective_from=later + timedelta(hours=1),
         effective_to=later + timedelta(hours=2), models={}, reason="promo", now=p.clock.now()))
     assert doc2["supersedes"] == doc["price_version_id"]
     with pytest.raises(InvalidRequest) as e:
-        change(p, lambda c: price_book.create_price_version(
+        change(p, lambda c: prices.create_price_version(
             c, p.config, operator="fin-ann", effective_from=later + timedelta(hours=1, minutes=30), models={},
             reason="overlap", now=p.clock.now()))
     assert "effective_from" in e.value.fields
@@ -332,7 +334,7 @@ def test_a_version_from_now_prices_the_next_admission_and_a_start_keeps_it(make_
     p = make_platform()
     t = new_tenant(p, credits=100_000)
     assert _admit(p, t)["quote"]["quoted_amount"] == PRICE
-    doc = change(p, lambda c: price_book.create_price_version(
+    doc = change(p, lambda c: prices.create_price_version(
         c, p.config, operator="fin", effective_from=None, models={"video-model-x": {"base_amount": 30}},
         reason="base up", now=p.clock.now()))
     time.sleep(1.1)  # admission caches the version in force for a second
@@ -390,26 +392,26 @@ def test_bad_input_names_the_field_and_writes_nothing_not_even_an_audit_row(make
                            "rules.models.video-model-x.resolution_multiplier_pct"),
                           ({"video-model-x": {"charge_policy_code": "FREE"}}, "rules.models.video-model-x.charge_policy_code")):
         with pytest.raises(InvalidRequest) as e:
-            change(p, lambda c, m=models: price_book.create_price_version(c, p.config, operator="fin", effective_from=None,
+            change(p, lambda c, m=models: prices.create_price_version(c, p.config, operator="fin", effective_from=None,
                                                                           models=m, reason="x", now=p.clock.now()))
         assert field in e.value.fields, (models, e.value.fields)
     soon = p.clock.now() + timedelta(hours=1)
     with pytest.raises(InvalidRequest) as e:
-        change(p, lambda c: price_book.create_price_version(c, p.config, operator="fin", effective_from=soon,
+        change(p, lambda c: prices.create_price_version(c, p.config, operator="fin", effective_from=soon,
                                                             effective_to=soon, models={}, reason="x", now=p.clock.now()))
     assert "effective_to" in e.value.fields
     assert footprint(conn) == before
-    assert capacity.effective_config(p) == p.config
+    assert policy_capacity.effective_config(p) == p.config
 
 
 def test_unreadable_overrides_fall_back_to_the_last_read(make_platform):
     p = make_platform()
     change(p, lambda c: capacity.set_switch(c, p.config, operator="ops", lane="STANDARD", open=False, reason="x"))
-    assert capacity.effective_config(p).lanes["STANDARD"].admission_open is False
+    assert policy_capacity.effective_config(p).lanes["STANDARD"].admission_open is False
 
     class Broken:
         def execute(self, *a, **k):
             raise psycopg.OperationalError("gone")
 
-    p.extras[capacity._CACHE] = (time.monotonic() - 60, *p.extras[capacity._CACHE][1:])  # stale
-    assert capacity.effective_config(p, Broken()).lanes["STANDARD"].admission_open is False
+    p.extras[policy_capacity._CACHE] = (time.monotonic() - 60, *p.extras[policy_capacity._CACHE][1:])  # stale
+    assert policy_capacity.effective_config(p, Broken()).lanes["STANDARD"].admission_open is False

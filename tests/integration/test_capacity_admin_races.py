@@ -22,6 +22,8 @@ import pytest
 from psycopg.rows import dict_row
 
 from aivedio.admin import capacity
+from aivedio.scheduling import resources
+from aivedio.policy import capacity as policy_capacity
 from aivedio.policy import tenant_policy as policy
 from aivedio.attempts import aimd
 from aivedio.bootstrap import apply_config
@@ -81,7 +83,7 @@ def set_lane(p, units: int):
 
 def lane_capacity_and_reserved(p, tenant_id) -> tuple[int, int]:
     with p.db.connection() as c:
-        lane = capacity.apply_overrides(p.config, capacity.load_overrides(c)).lanes[LANE]
+        lane = policy_capacity.apply_overrides(p.config, policy_capacity.load_overrides(c)).lanes[LANE]
         row = c.execute("select reserved_units from tenant_scheduling_policy where tenant_id = %s", (tenant_id,)).fetchone()
     return lane.capacity_units, row["reserved_units"]
 
@@ -107,10 +109,10 @@ def test_converge_on_stale_cached_overrides_never_puts_an_old_capacity_back(make
     scheduler, admin = started(make_platform, lane_config()), make_platform(lane_config())
     if first is not None:
         set_lane(admin, first)
-    capacity.overrides(scheduler)  # the scheduler's tick has read the overrides (within CACHE_SECONDS)
+    policy_capacity.overrides(scheduler)  # the scheduler's tick has read the overrides (within CACHE_SECONDS)
     set_lane(admin, 100)
     assert sum(cap for cap, _, _ in shards(admin, LANE_KEY)) == 100
-    capacity.converge(scheduler, force=True)
+    resources.converge(scheduler, force=True)
     after = shards(admin, LANE_KEY)
     assert sum(cap for cap, _, _ in after) == 100 and most_usable(after) == 100, after
 
@@ -122,12 +124,12 @@ def test_converge_re_splits_a_drained_pool_to_the_capacity_in_force(make_platfor
         "update resource_pool_shard set capacity_units = case shard_no when 0 then 80 else 50 end, "
         "used_units = case shard_no when 0 then 80 else 0 end where resource_key = %s", (LANE_KEY,)))
     set_lane(admin, 300)
-    capacity.overrides(scheduler)  # cached: 300
+    policy_capacity.overrides(scheduler)  # cached: 300
     set_lane(admin, 60)  # 80 running on shard 0: drains
     assert most_usable(shards(admin, LANE_KEY)) == 80
     admin.db.transaction(lambda c: c.execute("update resource_pool_shard set used_units = 0 where resource_key = %s",
                                              (LANE_KEY,)))
-    assert capacity.converge(scheduler, force=True) == 1
+    assert resources.converge(scheduler, force=True) == 1
     assert shards(admin, LANE_KEY) == [(30, 0, None), (30, 0, None)]
 
 
@@ -216,7 +218,7 @@ def test_a_stale_aimd_increase_does_not_lift_a_drain(make_platform):
     admin = make_platform(account_config(6))
     key = account_key(PROVIDER, ACCOUNT)
     worker.db.transaction(lambda c: c.execute("update resource_pool_shard set used_units = 2 where resource_key = %s", (key,)))
-    capacity.overrides(worker)  # the worker's cache: max_concurrency 6
+    policy_capacity.overrides(worker)  # the worker's cache: max_concurrency 6
     capacity.run_change(admin, lambda c: capacity.set_provider_account(c, admin.config, operator="op:a", provider=PROVIDER,
                                                                        account_id=ACCOUNT, max_concurrency=2))
     drain = shards(admin, key)
@@ -235,7 +237,7 @@ def test_aimd_never_waits_for_a_second_connection_inside_its_transaction(make_pl
     assert aimd.decrease(worker, PROVIDER, ACCOUNT) is not None
     before = shards(worker, key)
     assert any(lim is not None for _, _, lim in before)
-    capacity.invalidate(worker)  # the overrides' cache is stale: the next read must use the caller's connection
+    policy_capacity.invalidate(worker)  # the overrides' cache is stale: the next read must use the caller's connection
     t0 = time.monotonic()
     assert aimd.increase(worker, PROVIDER, ACCOUNT) is not None
     assert time.monotonic() - t0 < 5

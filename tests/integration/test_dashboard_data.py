@@ -133,12 +133,13 @@ def test_borrowed_work_counts_in_its_own_lane_and_as_lent_by_the_enterprise_lane
 
 def test_an_operators_switch_and_capacity_change_show_at_once(platform):
     from aivedio.admin import capacity
+from aivedio.policy import capacity as policy_capacity
 
     platform.db.transaction(lambda c: capacity.set_switch(c, platform.config, operator="op:test", open=False,
                                                           reason="maintenance", lane="BEST_EFFORT"))
     platform.db.transaction(lambda c: capacity.set_lane(c, platform.config, operator="op:test", lane="STANDARD",
                                                         reason="more room", capacity_units=700))
-    capacity.invalidate(platform)
+    policy_capacity.invalidate(platform)
     try:
         doc = snapshot(platform, fresh=True)
         assert _lane(doc, "BEST_EFFORT")["admission_open"] is False and _lane(doc, "STANDARD")["capacity_units"] == 700
@@ -148,7 +149,7 @@ def test_an_operators_switch_and_capacity_change_show_at_once(platform):
                                                               reason="done", lane="BEST_EFFORT"))
         platform.db.transaction(lambda c: capacity.set_lane(c, platform.config, operator="op:test", lane="STANDARD",
                                                             reason="back", capacity_units=600))
-        capacity.invalidate(platform)
+        policy_capacity.invalidate(platform)
 
 
 def test_review_and_unknown_counts_come_from_the_attempts(platform):

@@ -210,7 +210,7 @@ def test_a_task_admitted_through_a_slot_is_cancelled_back_to_its_lot(platform, c
 
 
 def test_an_expired_lots_allowance_is_not_spent_and_goes_back_to_the_lot(platform, conn, finance):
-    from aivedio.admin.tenants import grant_credits
+    from aivedio.billing.lots import grant_credits
     from aivedio.billing.ledger import lock_wallet
 
     t, members = partitioned(platform, conn, finance, credits=0, users=1, slots=2, chunk=10 * PRICE)

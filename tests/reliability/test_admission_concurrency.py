@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from aivedio.admin.tenants import grant_credits
+from aivedio.billing.lots import grant_credits
 from aivedio.admission.decisions import Rejected
 from aivedio.admission.models import GenerationRequest
 from aivedio.admission.service import IdempotencyInProgress, admit

@@ -1,6 +1,6 @@
-"""Capacities, admission switches, price versions and budgets (contracts/admin-api.md, issue 16). Thin
-over aivedio.admin.capacity, aivedio.pricing.price_book and aivedio.spend.budgets, the same cores
-as `aivedio admin lane|pool|provider-account|switch|price|budget ...`.
+"""Capacities, admission switches, price versions and budgets (docs/admin-api.md). Thin over
+aivedio.admin.capacity, aivedio.admin.prices, aivedio.pricing.price_book and aivedio.spend.budgets,
+the same cores as `aivedio admin lane|pool|provider-account|switch|price|budget ...`.
 
 Bodies take any JSON values for the figures: the core checks each (an integer, in range, borrowable
 within capacity, a known lane, pool, provider, account or resource class) and names every bad
@@ -16,7 +16,8 @@ from aws_lambda_powertools.event_handler.api_gateway import Router
 from aws_lambda_powertools.event_handler.openapi.params import Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from aivedio.admin import capacity
+from aivedio.admin import capacity, prices
+from aivedio.policy.capacity import overrides
 from aivedio.spend import budgets
 from aivedio.context import get_platform
 from aivedio.errors import InvalidRequest
@@ -107,7 +108,7 @@ def patch_lane(lane: str, body: LanePatch):
 def _pools(key: str | None = None) -> list[dict]:
     p = get_platform()
     with p.db.connection() as conn:
-        return capacity.pool_report(conn, p.config, capacity.overrides(p, conn), key)
+        return capacity.pool_report(conn, p.config, overrides(p, conn), key)
 
 
 @router.get("/admin/v1/pools", tags=["capacity"], summary="Resource pools: configured and effective capacity, use")
@@ -140,7 +141,7 @@ def list_accounts(provider: str):
         raise InvalidRequest("unknown provider", {"provider": "unknown provider; providers are "
                                                               + ", ".join(q.name for q in p.config.providers)})
     with p.db.connection() as conn:
-        rows = capacity.provider_account_report(conn, p.config, capacity.overrides(p, conn))
+        rows = capacity.provider_account_report(conn, p.config, overrides(p, conn))
     return {"items": [r for r in rows if r["provider"] == provider]}
 
 
@@ -159,7 +160,7 @@ def patch_account(provider: str, account_id: str, body: AccountPatch):
 @requires("switch.read")
 def list_switches():
     p = get_platform()
-    return {"items": capacity.switch_report(p.config, capacity.overrides(p))}
+    return {"items": capacity.switch_report(p.config, overrides(p))}
 
 
 @router.put("/admin/v1/switches", tags=["switches"],
@@ -185,7 +186,7 @@ def list_prices(limit: Annotated[int, Query(ge=1, le=500)] = 50, cursor: Annotat
 @requires("price.write")
 def post_price(body: PricePost):
     def fn(p, c):
-        return price_book.create_price_version(c, p.config, operator=_op(), effective_from=body.effective_from,
+        return prices.create_price_version(c, p.config, operator=_op(), effective_from=body.effective_from,
                                                effective_to=body.effective_to, models=body.rules.models,
                                                reason=body.reason, now=p.clock.now(), product_code=body.product_code)
 

@@ -27,7 +27,7 @@ from aws_lambda_powertools.event_handler.api_gateway import Router
 from aws_lambda_powertools.shared.cookies import Cookie, SameSite
 
 from aivedio.admin import dashboard
-from aivedio.policy import roles as rbac
+from aivedio.policy import roles
 from aivedio.admin.operators import Operator, authenticate_operator, end_session, open_session
 from aivedio.context import get_platform
 from aivedio.db.pool import UNAVAILABLE
@@ -156,7 +156,7 @@ def page():
     except Forbidden:
         return _signin_page(403, "A tenant API key cannot open the operations dashboard: use an operator token.",
                             [_cleared_cookie(headers)] if cookie else None)
-    if not rbac.allowed(op.role, PERMISSION):
+    if not roles.allowed(op.role, PERMISSION):
         return _signin_page(403, f"Role {op.role} may not read the dashboard.")
     return _html(200, _render("dashboard.html"))
 
@@ -215,7 +215,7 @@ def sign_in():
             raise Unauthenticated("an operator token is required")
         # Only the posted token counts: a cookie or bearer already present must not sign this in.
         op = _authenticate(f"Bearer {token}", None)
-        if not rbac.allowed(op.role, PERMISSION):
+        if not roles.allowed(op.role, PERMISSION):
             raise Forbidden(f"role {op.role} may not read the dashboard")
         previous = session_token(headers)
 

@@ -1,9 +1,10 @@
-"""Operations over the same cores as the CLI (contracts/operations.md): MANUAL_REVIEW tasks and
-their resolution (aivedio.attempts.review), outbox dead letters and their redrive
-(aivedio.admin.dead_letters), refunds and compensation with their approvals (aivedio.billing).
-Each core checks the operator's permission again and writes its audit rows in its transaction,
-as the operator's audit name. A refusal by a money control (the daily refund limit, an approval
-refused) is audited in a transaction of its own, as the CLI does: the refused one wrote nothing."""
+"""Operations over the same cores as the CLI (docs/admin-api.md): MANUAL_REVIEW tasks and their
+resolution (aivedio.attempts.review), outbox dead letters and their redrive
+(aivedio.admin.dead_letters), refunds and compensation with their approvals (aivedio.billing). The
+gate checked the token's role against each route's permission; each core writes its audit rows in
+its transaction, as the operator's audit name. A refusal by a money control (the daily refund
+limit, an approval refused) is audited in a transaction of its own, as the CLI does: the refused
+one wrote nothing."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -18,9 +19,10 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from aivedio import outbox
 from aivedio.admin import dead_letters
-from aivedio.policy import roles as rbac
+from aivedio import audit
 from aivedio.attempts import review
 from aivedio.billing import compensation, refunds
+from aivedio.billing.errors import AUDITED_REFUSALS
 from aivedio.context import get_platform
 from aivedio.errors import DomainError, NotFound
 from functions.admin_api.access import operator_of, requires
@@ -28,16 +30,12 @@ from functions.api.errors import register_status
 
 router = Router()
 register_status(
-    PERMISSION_DENIED=403, REVIEW_REFUSED=409, TASK_NOT_IN_REVIEW=409, JOB_ALREADY_MAPPED=409, JOB_OF_ANOTHER_ATTEMPT=409,
+    REVIEW_REFUSED=409, TASK_NOT_IN_REVIEW=409, JOB_ALREADY_MAPPED=409, JOB_OF_ANOTHER_ATTEMPT=409,
     JOB_MISMATCH=409, PROVIDER_UNKNOWN=409, PROVIDER_UNAVAILABLE=503, JOB_NOT_FOUND=409, JOB_EXISTS=409,
     JOB_ID_KNOWN=409, ABSENCE_NOT_PROVEN=409,
     REFUND_EXCEEDS_SETTLED=409, REFUND_TENANT_MISMATCH=404, TASK_NOT_FOUND=404, REFUND_DAILY_LIMIT_EXCEEDED=409,
     COMPENSATION_INVALID=422, APPROVAL_REFUSED=409, CURRENCY_MISMATCH=409, WALLET_FROZEN=409, REFUND_KEY_REUSED=409,
     REFUND_NOT_FOUND=404, COMPENSATION_CASE_EXISTS=409)
-
-# The money controls' refusals that leave an audit row (aivedio_tools.cli.admin_billing.AUDITED_REFUSALS).
-AUDITED_REFUSALS = ("REFUND_DAILY_LIMIT_EXCEEDED", "APPROVAL_REFUSED")
-
 
 def _id(raw: str, what: str) -> UUID:
     try:
@@ -63,7 +61,7 @@ def _money(action: str, target: str, tenant_id: UUID | None, amount: int | None,
         return _plain(platform.db.transaction(fn))
     except DomainError as e:
         if e.code in AUDITED_REFUSALS:
-            platform.db.transaction(lambda c: rbac.audit(
+            platform.db.transaction(lambda c: audit.append(
                 c, operator=actor, action=f"{action}.refused", target=target, tenant_id=tenant_id,
                 new={"error": e.code, "amount": amount, "details": e.details}, reason=e.message))
         raise

@@ -10,7 +10,7 @@ from uuid import UUID
 import psycopg
 
 from aivedio import auth
-from aivedio.policy import roles as rbac
+from aivedio import audit
 from aivedio.spend.budgets import project_scope_id
 from aivedio.errors import Conflict, NotFound
 
@@ -38,7 +38,6 @@ def create_api_key(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, 
                    user_id: UUID | None = None) -> CreatedKey:
     """A new key of `user_id` (default: the tenant's first OWNER) bound to `project` (None: to none;
     the admin API's keys may be either, the CLI's name one)."""
-    rbac.require(conn, operator, "api_key.create")
     if project is not None:
         auth.validate_project(project)
     if conn.execute("select 1 from tenant where tenant_id = %s", (tenant_id,)).fetchone() is None:
@@ -51,8 +50,8 @@ def create_api_key(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, 
     elif conn.execute("select 1 from app_user where tenant_id = %s and user_id = %s", (tenant_id, user_id)).fetchone() is None:
         raise NotFound(f"no user {user_id} in tenant {tenant_id}", details={"user_id": str(user_id)})
     issued = auth.issue_key(conn, tenant_id, user_id, project=project)
-    rbac.audit(conn, operator=operator, action="api_key.create", target=f"api_key:{issued.key_id}", tenant_id=tenant_id,
-               new={"user_id": user_id, "project": project, "key_prefix": issued.secret[:8]})
+    audit.append(conn, operator=operator, action="api_key.create", target=f"api_key:{issued.key_id}", tenant_id=tenant_id,
+                 new={"user_id": user_id, "project": project, "key_prefix": issued.secret[:8]})
     return CreatedKey(issued.key_id, tenant_id, user_id, project, issued.secret)
 
 
@@ -103,28 +102,26 @@ def revoke_api_key(conn: psycopg.Connection, *, operator: str, key_id: UUID, now
     """Revoke a key: aivedio.auth.authenticate refuses it from the commit on; this process forgets
     it at once, other API processes within Limits.api_key_cache_seconds. Revoking a revoked key
     changes nothing and says so (`revoked: false`)."""
-    rbac.require(conn, operator, "tenant.manage")
     row = _locked_key(conn, key_id, tenant_id)
     done = conn.execute(REVOKE_KEY, (now, key_id)).fetchone()
     if done is None:
         return {**_key_view(row), "revoked": False}
     auth.forget_tenant(row["tenant_id"])
-    rbac.audit(conn, operator=operator, action="api_key.revoke", target=f"api_key:{key_id}", tenant_id=row["tenant_id"],
-               old={"status": "ACTIVE", "key_prefix": row["key_prefix"]}, new={"status": "REVOKED"})
+    audit.append(conn, operator=operator, action="api_key.revoke", target=f"api_key:{key_id}", tenant_id=row["tenant_id"],
+                 old={"status": "ACTIVE", "key_prefix": row["key_prefix"]}, new={"status": "REVOKED"})
     return {**_key_view({**row, "revoked_at": done["revoked_at"]}), "revoked": True}
 
 
 def rotate_api_key(conn: psycopg.Connection, *, operator: str, key_id: UUID, now,
                    tenant_id: UUID | None = None) -> CreatedKey:
     """A new key for the same user and project, the old one revoked in the same transaction."""
-    rbac.require(conn, operator, "tenant.manage")
     row = _locked_key(conn, key_id, tenant_id)
     if row["revoked_at"] is not None:
         raise Conflict(f"API key {key_id} is revoked", details={"key_id": str(key_id)})
     conn.execute(REVOKE_KEY, (now, key_id))
     auth.forget_tenant(row["tenant_id"])
     issued = auth.issue_key(conn, row["tenant_id"], row["user_id"], project=row["project"])
-    rbac.audit(conn, operator=operator, action="api_key.rotate", target=f"api_key:{key_id}", tenant_id=row["tenant_id"],
-               old={"key_id": key_id, "key_prefix": row["key_prefix"]},
-               new={"key_id": issued.key_id, "key_prefix": issued.secret[:8]})
+    audit.append(conn, operator=operator, action="api_key.rotate", target=f"api_key:{key_id}", tenant_id=row["tenant_id"],
+                 old={"key_id": key_id, "key_prefix": row["key_prefix"]},
+                 new={"key_id": issued.key_id, "key_prefix": issued.secret[:8]})
     return CreatedKey(issued.key_id, row["tenant_id"], row["user_id"], row["project"], issued.secret)

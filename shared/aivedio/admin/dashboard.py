@@ -26,6 +26,7 @@ from typing import Any
 import psycopg
 
 from aivedio.caching import cached
+from aivedio.policy import capacity
 from aivedio.scheduling.resources import account_key
 
 AUDIT_ROWS = 20  # the recent audit trail shown
@@ -111,7 +112,6 @@ def snapshot(platform, *, conn: psycopg.Connection | None = None, fresh: bool = 
         # The router's outcome statistics and the operator's capacity overrides come first: each
         # takes a pooled connection of its own (cached a moment per process), which must not be
         # waited for while this snapshot holds one.
-        from aivedio.admin import capacity
         from aivedio.scheduling import router
 
         stats, config = router.provider_stats(platform), capacity.effective_config(platform)

@@ -25,7 +25,7 @@ from uuid import UUID
 import psycopg
 
 from aivedio import outbox
-from aivedio.policy import roles as rbac
+from aivedio import audit
 from aivedio.errors import DomainError, InvalidRequest, NotFound
 
 MAX_LIST = 1000
@@ -37,7 +37,6 @@ def _jsonable(row: dict) -> dict[str, Any]:
 
 def list_outbox(conn: psycopg.Connection, *, operator: str, status: str = outbox.FAILED, event_type: str | None = None,
                 tenant_id: UUID | None = None, limit: int = 100) -> dict[str, Any]:
-    rbac.require(conn, operator, "outbox.read")
     if status not in (outbox.PENDING, outbox.PUBLISHED, outbox.FAILED):
         raise InvalidRequest("unknown status", {"status": "one of PENDING, PUBLISHED, FAILED"})
     if not 1 <= limit <= MAX_LIST:
@@ -51,7 +50,6 @@ def redrive_outbox(conn: psycopg.Connection, *, operator: str, reason: str, even
                    all_failed: bool = False, event_type: str | None = None) -> dict[str, Any]:
     """Redrive the given FAILED events, or with all_failed every FAILED one (of event_type). An id
     that is not a FAILED event is reported in `not_failed` and left alone."""
-    rbac.require(conn, operator, "outbox.redrive")
     if not reason or not reason.strip():
         raise InvalidRequest("a reason is required", {"reason": "why these events are redriven"})
     if bool(event_ids) == all_failed:
@@ -60,10 +58,10 @@ def redrive_outbox(conn: psycopg.Connection, *, operator: str, reason: str, even
         raise InvalidRequest("--event-type selects among --all-failed", {"event_type": "only with --all-failed"})
     rows = outbox.redrive(conn, event_ids=list(event_ids) if event_ids else None, event_type=event_type)
     for r in rows:
-        rbac.audit(conn, operator=operator, action="outbox.redrive", target=f"outbox_event:{r['event_id']}",
-                   tenant_id=r["tenant_id"], old={"status": outbox.FAILED, "attempts": r["attempts_before"],
-                                                  "last_error": r["last_error"]},
-                   new={"status": outbox.PENDING, "attempts": 0, "event_type": r["event_type"]}, reason=reason)
+        audit.append(conn, operator=operator, action="outbox.redrive", target=f"outbox_event:{r['event_id']}",
+                     tenant_id=r["tenant_id"], old={"status": outbox.FAILED, "attempts": r["attempts_before"],
+                                                    "last_error": r["last_error"]},
+                     new={"status": outbox.PENDING, "attempts": 0, "event_type": r["event_type"]}, reason=reason)
     done = {r["event_id"] for r in rows}
     return {"redriven": len(rows), "events": [{"event_id": str(r["event_id"]), "event_type": r["event_type"],
                                                "aggregate_id": str(r["aggregate_id"]) if r["aggregate_id"] else None,
@@ -116,12 +114,11 @@ def redrive_queue(platform, sqs, *, operator: str, queue: str, reason: str | Non
     from botocore.exceptions import BotoCoreError, ClientError  # (boto3's; imported where AWS is used)
 
     def intent(conn: psycopg.Connection) -> tuple[dict[str, Any], dict[str, Any]]:
-        rbac.require(conn, operator, "queue.redrive")
         if max_per_second is not None and not 1 <= max_per_second <= 500:
             raise InvalidRequest("max messages per second out of range", {"max_per_second": "1 to 500 (SQS's limit)"})
         request, found = move_request(sqs, queue, max_per_second=max_per_second)
-        rbac.audit(conn, operator=operator, action="queue.redrive", target=f"sqs:{found['dlq']}",
-                   new={**found, "max_per_second": max_per_second, "status": "REQUESTED"}, reason=reason)
+        audit.append(conn, operator=operator, action="queue.redrive", target=f"sqs:{found['dlq']}",
+                     new={**found, "max_per_second": max_per_second, "status": "REQUESTED"}, reason=reason)
         return request, found
 
     request, found = platform.db.transaction(intent)
@@ -130,13 +127,13 @@ def redrive_queue(platform, sqs, *, operator: str, queue: str, reason: str | Non
         started = sqs.start_message_move_task(**request)
     except (ClientError, BotoCoreError) as e:
         error = str(e).splitlines()[0][:500]
-        platform.db.transaction(lambda conn: rbac.audit(
+        platform.db.transaction(lambda conn: audit.append(
             conn, operator=operator, action="queue.redrive", target=f"sqs:{found['dlq']}",
             new={**doc, "status": "FAILED", "error": error}, reason=reason))
         raise DomainError("SQS did not start the message move", code="QUEUE_MOVE_FAILED",
                           details={**doc, "error": error}) from e
     doc["task_handle"] = started.get("TaskHandle")
-    platform.db.transaction(lambda conn: rbac.audit(
+    platform.db.transaction(lambda conn: audit.append(
         conn, operator=operator, action="queue.redrive", target=f"sqs:{found['dlq']}",
         new={**doc, "status": "STARTED"}, reason=reason))
     return doc

@@ -1,7 +1,7 @@
-"""Operators of the admin API and their tokens (issue 16, contracts/admin-api.md).
+"""Operators of the admin API and their tokens (docs/admin-api.md).
 
-An operator account has a name, one role of the operator plane (viewer, operator, finance, admin:
-see rbac.NEW_ROLE_PERMISSIONS) and one admin token. A token is `avop_` + 32 random bytes, shown once
+An operator account has a name, one role (viewer, operator, finance, admin: what each may do is
+aivedio.policy.roles) and one admin token. A token is `avop_` + 32 random bytes, shown once
 and stored as sha256 hex only; tenant API keys start `av_` (aivedio.auth), so the two never pass for
 each other: a tenant key on the admin API is FORBIDDEN, an admin token on the tenant API is unknown.
 Every write is audited in its own transaction as `actor` (the CLI's `--operator` or `cli:<os user>`,
@@ -19,13 +19,12 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio import auth
-from aivedio.policy import roles as rbac
+from aivedio import audit, auth
 from aivedio.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unauthenticated
+from aivedio.policy.roles import ROLES
 
 ADMIN_TOKEN_PREFIX = "avop_"
 SESSION_PREFIX = "avds_"
-OPERATOR_ROLES = rbac.OPERATOR_ROLES
 NAME_MAX = 64  # the operator_account_name_length CHECK
 TOKEN_PREFIX_LEN = 12  # what list shows to tell tokens apart ("avop_" + 7 characters)
 AUDIT_NAME_PREFIX = "op:"
@@ -73,8 +72,8 @@ def validate_name(name) -> str:
 
 
 def validate_role(role) -> str:
-    if role not in OPERATOR_ROLES:
-        raise InvalidRequest("unknown operator role", {"role": f"one of {', '.join(OPERATOR_ROLES)}"})
+    if role not in ROLES:
+        raise InvalidRequest("unknown operator role", {"role": f"one of {', '.join(ROLES)}"})
     return role
 
 
@@ -203,8 +202,8 @@ def create_operator(conn: psycopg.Connection, *, actor: str, name: str, role: st
     row = conn.execute(INSERT_OPERATOR, (name, role, hash_token(token), token[:TOKEN_PREFIX_LEN], actor)).fetchone()
     if row is None:
         raise Conflict(f"an operator named {name!r} exists", details={"name": name})
-    rbac.audit(conn, operator=actor, action="operator.create", target=f"operator:{row['operator_id']}",
-               new={"name": name, "role": role, "token_prefix": token[:TOKEN_PREFIX_LEN]})
+    audit.append(conn, operator=actor, action="operator.create", target=f"operator:{row['operator_id']}",
+                 new={"name": name, "role": role, "token_prefix": token[:TOKEN_PREFIX_LEN]})
     return IssuedOperator(row["operator_id"], row["name"], row["role"], token)
 
 
@@ -222,8 +221,8 @@ def rotate_operator_token(conn: psycopg.Connection, *, actor: str, operator_id: 
     row = conn.execute(ROTATE_TOKEN, (hash_token(token), token[:TOKEN_PREFIX_LEN], operator_id)).fetchone()
     if row is None:
         raise _missing_or_revoked(conn, operator_id)
-    rbac.audit(conn, operator=actor, action="operator.rotate", target=f"operator:{operator_id}",
-               new={"name": row["name"], "token_prefix": token[:TOKEN_PREFIX_LEN]})
+    audit.append(conn, operator=actor, action="operator.rotate", target=f"operator:{operator_id}",
+                 new={"name": row["name"], "token_prefix": token[:TOKEN_PREFIX_LEN]})
     return IssuedOperator(row["operator_id"], row["name"], row["role"], token)
 
 
@@ -236,8 +235,8 @@ def revoke_operator(conn: psycopg.Connection, *, actor: str, operator_id: UUID) 
         if existing is None:
             raise _missing_or_revoked(conn, operator_id)
         return {**_view(existing), "revoked": False}
-    rbac.audit(conn, operator=actor, action="operator.revoke", target=f"operator:{operator_id}",
-               old={"name": row["name"], "role": row["role"], "status": "ACTIVE"}, new={"status": "REVOKED"})
+    audit.append(conn, operator=actor, action="operator.revoke", target=f"operator:{operator_id}",
+                 old={"name": row["name"], "role": row["role"], "status": "ACTIVE"}, new={"status": "REVOKED"})
     return {**_view(row), "revoked": True}
 
 

@@ -8,8 +8,7 @@ from datetime import timedelta
 from uuid import UUID
 
 from aivedio import auth
-from aivedio.billing import lots
-from aivedio.billing.ledger import Entry, post
+from aivedio.billing.lots import grant_credits
 from aivedio.config import SERVICE_CLASSES
 from aivedio.errors import Conflict, InvalidRequest
 
@@ -150,14 +149,6 @@ def create_tenant(platform, *, name: str, service_class: str, weight: int, credi
         return CreatedTenant(tenant_id, user_id, wallet["wallet_id"], secret)
 
     return platform.db.transaction(tx)
-
-
-def grant_credits(conn, wallet: dict, amount: int, *, kind: str, business_key: str, expires_at=None):
-    """GRANT: credits enter the wallet as a lot (AVAILABLE +amount, ISSUED -amount)."""
-    lot_id = lots.create_lot(conn, wallet=wallet, kind=kind, amount=amount, source_business_key=business_key, expires_at=expires_at)
-    return post(conn, wallet=wallet, business_key=business_key, event_type="GRANT",
-                entries=[Entry("AVAILABLE", amount, lot_id), Entry("ISSUED", -amount, lot_id)],
-                metadata={"kind": kind})
 
 
 # --- the admin API's tenant list (contracts/admin-api.md) -------------------------------------------------

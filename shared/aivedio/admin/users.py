@@ -12,7 +12,7 @@ from uuid import UUID
 import psycopg
 
 from aivedio import auth
-from aivedio.policy import roles as rbac
+from aivedio import audit
 from aivedio.errors import InvalidRequest, NotFound
 
 USER_ROLES = ("MEMBER", "OWNER")
@@ -44,6 +44,6 @@ def create_user(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, rol
         raise NotFound(f"no tenant {tenant_id}", details={"tenant_id": str(tenant_id)})
     row = conn.execute(INSERT_USER, (tenant_id, name or f"{role.lower()}-{tenant_id.hex[:6]}", role)).fetchone()
     issued = auth.issue_key(conn, tenant_id, row["user_id"])
-    rbac.audit(conn, operator=operator, action="user.create", target=f"user:{row['user_id']}", tenant_id=tenant_id,
-               new={"role": role, "name": row["name"], "key_id": issued.key_id, "key_prefix": issued.secret[:8]})
+    audit.append(conn, operator=operator, action="user.create", target=f"user:{row['user_id']}", tenant_id=tenant_id,
+                 new={"role": role, "name": row["name"], "key_id": issued.key_id, "key_prefix": issued.secret[:8]})
     return CreatedUser(tenant_id, row["user_id"], role, row["name"], issued.key_id, issued.secret)

@@ -39,7 +39,7 @@ from datetime import datetime
 import psycopg
 
 from aivedio import degraded, outbox
-from aivedio.admin import capacity
+from aivedio.policy import capacity
 from aivedio.scheduling import queue_stats
 from aivedio.admission.decisions import Rejected
 from aivedio.pricing.estimates import Estimate, check_capabilities, estimate
@@ -181,7 +181,10 @@ def _probe(platform, tenant_id, req: GenerationRequest) -> list:
 
 def _estimate(platform, policy: dict, req: GenerationRequest, probed: list) -> tuple[Estimate, Quote]:
     est = estimate(req, probed, policy["tenant_service_class"], platform.config)
-    return est, price_book.admission_quote(platform, est)
+    try:
+        return est, price_book.admission_quote(platform, est)
+    except price_book.PricesUnavailable as e:
+        raise Rejected("REJECT_PRICING_UNAVAILABLE", e.message, e.retry_after_seconds) from None
 
 
 def quote_only(platform, caller: Caller, req: GenerationRequest) -> dict:

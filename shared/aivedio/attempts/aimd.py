@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from aivedio.metrics_catalog import PROVIDER_LIMIT_DECREASED
 from aivedio.observability import logger, publish
+from aivedio.policy.capacity import SELECT_OVERRIDE, account_limit_of, account_override_key
 from aivedio.scheduling.resources import account_key, pool_settled, set_limit
 
 _LOCK = "select 1 from resource_pool_shard where resource_key = %s order by shard_no for update"
@@ -25,8 +26,6 @@ _STATE = """select coalesce(sum(capacity_units), 0)::bigint as capacity,
 def _target(conn, platform, provider: str, account: str) -> int | None:
     """The account's max_concurrency in force: the operator's override as committed now, else the
     config's (None for an account the config lacks)."""
-    from aivedio.admin.capacity import SELECT_OVERRIDE, account_limit_of, account_override_key
-
     row = conn.execute(SELECT_OVERRIDE, ("PROVIDER_ACCOUNT", account_override_key(provider, account))).fetchone()
     if row is not None and row["settings"].get("max_concurrency") is not None:
         return int(row["settings"]["max_concurrency"])

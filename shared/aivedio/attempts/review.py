@@ -44,7 +44,7 @@ from uuid import UUID
 import psycopg
 from psycopg.types.json import Jsonb
 
-from aivedio.policy import roles as rbac
+from aivedio import audit
 from aivedio.attempts.lifecycle import (AttemptRef, Loaded, finish, load, lock_job, reopen_adopted, requeue, set_attempt)
 from aivedio.attempts.steps import absence_proven
 from aivedio.errors import DomainError, InvalidRequest, NotFound
@@ -110,14 +110,12 @@ def count_open(conn: psycopg.Connection) -> int:
 
 def list_reviews(conn: psycopg.Connection, *, operator: str, tenant_id: UUID | None = None, limit: int = 100) -> dict:
     """The tasks in MANUAL_REVIEW, oldest first (review.read)."""
-    rbac.require(conn, operator, "review.read")
     rows = conn.execute(LIST_REVIEWS, {"tenant": tenant_id, "limit": limit}).fetchall()
     return {"items": [_plain(r) for r in rows], "count": len(rows), "open": count_open(conn)}
 
 
 def show(conn: psycopg.Connection, *, operator: str, task_id: UUID, tenant_id: UUID | None = None) -> dict:
     """One task's review file: why, its attempts, what it holds, what the provider told us (review.read)."""
-    rbac.require(conn, operator, "review.read")
     tenant = _tenant_of(conn, task_id, tenant_id)
     task = conn.execute(TASK, (tenant, task_id)).fetchone()
     attempts = conn.execute(ATTEMPTS, (tenant, task_id)).fetchall()
@@ -277,8 +275,8 @@ def adopt_job(conn: psycopg.Connection, platform, ref: AttemptRef, job: Provider
     old = _state(cur)
     applied = reopen_adopted(conn, cur, job, source=source, now=platform.clock.now(), media=platform.config.media)
     new = {**_after(conn, ref), "job_status": job.status}
-    rbac.audit(conn, operator=actor, action="review.adopt", target=f"task:{ref.task_id}", tenant_id=ref.tenant_id,
-               old=old, new={**new, **({"evidence": evidence} if evidence else {})}, reason=reason)
+    audit.append(conn, operator=actor, action="review.adopt", target=f"task:{ref.task_id}", tenant_id=ref.tenant_id,
+                 old=old, new={**new, **({"evidence": evidence} if evidence else {})}, reason=reason)
     return {"action": "adopt", "task_id": str(ref.task_id), "provider_job_id": job.id, "job_status": job.status,
             "outcome": applied.outcome, **new}
 
@@ -300,8 +298,8 @@ def requeue_absent(conn: psycopg.Connection, platform, ref: AttemptRef, *, proof
         requeue(conn, cur, attempt_state="ABSENT_CONFIRMED", reason="SUBMIT_ABSENT_CONFIRMED", now=now, eligible_at=now,
                 error_code=None, error_message=None)
     new = {**_after(conn, ref), "proof": proof, **({"orphans": orphans} if orphans else {})}
-    rbac.audit(conn, operator=actor, action="review.requeue", target=f"task:{ref.task_id}", tenant_id=ref.tenant_id,
-               old=old, new={**new, **({"evidence": evidence} if evidence else {})}, reason=reason)
+    audit.append(conn, operator=actor, action="review.requeue", target=f"task:{ref.task_id}", tenant_id=ref.tenant_id,
+                 old=old, new={**new, **({"evidence": evidence} if evidence else {})}, reason=reason)
     publish(REVIEW_REQUEUED, proof=proof)
     return {"action": "requeue", "task_id": str(ref.task_id), **new}
 
@@ -322,8 +320,8 @@ def fail_task(conn: psycopg.Connection, platform, ref: AttemptRef, *, actor: str
            error_message=reason)
     orphans = keep_orphans(conn, a, jobs=jobs, by_key=by_key, actor=actor, action="fail", evidence=evidence)
     new = {**_after(conn, ref), "jobs": jobs, "orphans": orphans}
-    rbac.audit(conn, operator=actor, action="review.fail", target=f"task:{ref.task_id}", tenant_id=ref.tenant_id,
-               old=old, new={**new, **({"evidence": evidence} if evidence else {})}, reason=reason)
+    audit.append(conn, operator=actor, action="review.fail", target=f"task:{ref.task_id}", tenant_id=ref.tenant_id,
+                 old=old, new={**new, **({"evidence": evidence} if evidence else {})}, reason=reason)
     publish(REVIEW_FAILED)
     return {"action": "fail", "task_id": str(ref.task_id), **new}
 
@@ -349,7 +347,6 @@ def resolve(platform, *, operator: str, task_id: UUID, action: str, reason: str,
 
 
 def _prepare(conn: psycopg.Connection, operator: str, task_id: UUID, tenant_id: UUID | None) -> tuple[AttemptRef, dict]:
-    rbac.require(conn, operator, "review.resolve")
     tenant = _tenant_of(conn, task_id, tenant_id)
     task = conn.execute(TASK, (tenant, task_id)).fetchone()
     if task["state"] != "MANUAL_REVIEW" or task["current_attempt_id"] is None:
@@ -391,7 +388,6 @@ def _adopt(platform, operator: str, ref: AttemptRef, attempt: dict, job_id: str,
                                 details={"provider_job_id": job_id, "listed_for_key": listed})
 
     def tx(conn) -> dict:
-        rbac.require(conn, operator, "review.resolve")
         return adopt_job(conn, platform, ref, job, actor=operator, reason=reason, evidence=evidence)
 
     out = platform.db.transaction(tx)
@@ -419,7 +415,6 @@ def _requeue(platform, operator: str, ref: AttemptRef, attempt: dict, reason: st
         proof = "OPERATOR_CONFIRMED"
 
     def tx(conn) -> dict:
-        rbac.require(conn, operator, "review.resolve")
         return requeue_absent(conn, platform, ref, proof=proof, actor=operator, reason=reason, evidence=found.evidence,
                               jobs={known: "confirmed_absent"} if known is not None else {},
                               by_key=found.error is not None)
@@ -451,7 +446,6 @@ def _fail(platform, operator: str, ref: AttemptRef, attempt: dict, reason: str) 
                 jobs[job_id] = f"cancel_failed:{e.message[:200]}"
 
     def tx(conn) -> dict:
-        rbac.require(conn, operator, "review.resolve")
         # The provider could not be asked and no job id is known: the job may exist, so its key is kept.
         return fail_task(conn, platform, ref, actor=operator, reason=reason, jobs=jobs, by_key=found.error is not None,
                          evidence=found.evidence)

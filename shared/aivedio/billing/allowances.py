@@ -23,7 +23,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.policy import roles as rbac
+from aivedio import audit
 from aivedio.billing.ledger import Entry, post
 from aivedio.errors import InvalidRequest, NotFound
 
@@ -88,7 +88,6 @@ def partition(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, slots
               fast_max_cost_units: int = DEFAULT_FAST_MAX_COST_UNITS, reason: str | None = None) -> dict:
     """Partition the tenant's wallet (or change its partitioning: the allowances go back first, so
     no slot holds credit under an old slot count). Audited."""
-    rbac.require(conn, operator, "contract_budget.manage")
     bad = {}
     if not 2 <= slots <= 256:
         bad["slots"] = "2 to 256"
@@ -110,19 +109,18 @@ def partition(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, slots
                  fast_max_units = excluded.fast_max_units, fast_max_cost_units = excluded.fast_max_cost_units,
                  updated_at = now()""",
         (w["wallet_id"], tenant_id, slots, chunk_amount, fast_max_units, fast_max_cost_units))
-    rbac.audit(conn, operator=operator, action="wallet.partition", target=f"wallet:{w['wallet_id']}", tenant_id=tenant_id,
-               old=dict(old) if old else None, new={"slots": slots, "chunk_amount": chunk_amount}, reason=reason)
+    audit.append(conn, operator=operator, action="wallet.partition", target=f"wallet:{w['wallet_id']}", tenant_id=tenant_id,
+                 old=dict(old) if old else None, new={"slots": slots, "chunk_amount": chunk_amount}, reason=reason)
     return {"wallet_id": str(w["wallet_id"]), "slots": slots, "chunk_amount": chunk_amount, "returned": returned}
 
 
 def unpartition(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, reason: str | None = None) -> dict:
     """Back to one wallet row: every allowance returned, the partitioning removed. Audited."""
-    rbac.require(conn, operator, "contract_budget.manage")
     w = conn.execute("select wallet_id from wallet_account where tenant_id = %s order by wallet_id limit 1", (tenant_id,)).fetchone()
     if w is None:
         raise NotFound(f"tenant {tenant_id} has no wallet")
     returned = return_all(conn, w["wallet_id"])
     gone = conn.execute("delete from wallet_partitioning where wallet_id = %s returning slots", (w["wallet_id"],)).fetchone()
-    rbac.audit(conn, operator=operator, action="wallet.unpartition", target=f"wallet:{w['wallet_id']}", tenant_id=tenant_id,
-               old={"slots": gone["slots"]} if gone else None, new=None, reason=reason)
+    audit.append(conn, operator=operator, action="wallet.unpartition", target=f"wallet:{w['wallet_id']}", tenant_id=tenant_id,
+                 old={"slots": gone["slots"]} if gone else None, new=None, reason=reason)
     return {"wallet_id": str(w["wallet_id"]), "returned": returned, "was_partitioned": gone is not None}

@@ -14,7 +14,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.policy import roles as rbac
+from aivedio import audit
 from aivedio.billing import lots
 from aivedio.billing.errors import ApprovalRefused, CompensationInvalid, TaskNotFound, WalletFrozen
 from aivedio.billing.ledger import Entry, lock_wallet, post
@@ -30,7 +30,6 @@ MAX_CASE_ID = 128
 def request_compensation(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, case_id: str | None, amount: int,
                          reason_code: str, evidence: dict | None, now: datetime, dual_approval_above: int,
                          expires_at: datetime | None = None, task_id: UUID | None = None) -> dict:
-    rbac.require(conn, operator, "compensation.request")
     bad = {}
     if not case_id or not str(case_id).strip():
         bad["case_id"] = "required: the support or incident case this compensation answers"
@@ -70,8 +69,8 @@ def request_compensation(conn: psycopg.Connection, *, operator: str, tenant_id: 
            values (%s, %s, %s, %s, %s, %s, 'PENDING_APPROVAL', %s, %s, %s, %s, %s, %s) returning *""",
         (case_id, tenant_id, wallet["wallet_id"], amount, reason_code, json.dumps(evidence), operator, required, expires_at,
          task_id, now, now)).fetchone()
-    rbac.audit(conn, operator=operator, action="compensation.request", target=f"compensation:{case_id}", tenant_id=tenant_id,
-               new={"amount": amount, "reason_code": reason_code, "required_approvals": required, "evidence": evidence})
+    audit.append(conn, operator=operator, action="compensation.request", target=f"compensation:{case_id}", tenant_id=tenant_id,
+                 new={"amount": amount, "reason_code": reason_code, "required_approvals": required, "evidence": evidence})
     if required == 1:
         # At or below the threshold the requester's own permission is the one approval needed.
         case = _apply(conn, wallet=wallet, case=case, now=now, operator=operator)
@@ -79,7 +78,6 @@ def request_compensation(conn: psycopg.Connection, *, operator: str, tenant_id: 
 
 
 def approve_compensation(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, case_id: str, now: datetime) -> dict:
-    rbac.require(conn, operator, "compensation.approve")
     case = conn.execute("select wallet_id from compensation_case where tenant_id = %s and case_id = %s",
                         (tenant_id, case_id)).fetchone()
     if case is None:
@@ -100,8 +98,8 @@ def approve_compensation(conn: psycopg.Connection, *, operator: str, tenant_id: 
     case = conn.execute(
         "update compensation_case set approvals = %s, updated_at = %s where tenant_id = %s and case_id = %s returning *",
         (json.dumps(approvals), now, tenant_id, case_id)).fetchone()
-    rbac.audit(conn, operator=operator, action="compensation.approve", target=f"compensation:{case_id}", tenant_id=tenant_id,
-               new={"approvals": len(approvals), "required": case["required_approvals"]})
+    audit.append(conn, operator=operator, action="compensation.approve", target=f"compensation:{case_id}", tenant_id=tenant_id,
+                 new={"approvals": len(approvals), "required": case["required_approvals"]})
     if len(approvals) >= case["required_approvals"]:
         case = _apply(conn, wallet=wallet, case=case, now=now, operator=operator)
     return _describe(case)
@@ -109,7 +107,6 @@ def approve_compensation(conn: psycopg.Connection, *, operator: str, tenant_id: 
 
 def reject_compensation(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, case_id: str, reason: str,
                         now: datetime) -> dict:
-    rbac.require(conn, operator, "compensation.reject")
     case = conn.execute("select * from compensation_case where tenant_id = %s and case_id = %s for update",
                         (tenant_id, case_id)).fetchone()
     if case is None:
@@ -118,8 +115,8 @@ def reject_compensation(conn: psycopg.Connection, *, operator: str, tenant_id: U
         raise ApprovalRefused(f"case {case_id} is {case['state']}", details={"state": case["state"]})
     case = conn.execute("update compensation_case set state = 'REJECTED', updated_at = %s where tenant_id = %s and case_id = %s returning *",
                         (now, tenant_id, case_id)).fetchone()
-    rbac.audit(conn, operator=operator, action="compensation.reject", target=f"compensation:{case_id}", tenant_id=tenant_id,
-               reason=reason)
+    audit.append(conn, operator=operator, action="compensation.reject", target=f"compensation:{case_id}", tenant_id=tenant_id,
+                 reason=reason)
     return _describe(case)
 
 
@@ -141,8 +138,8 @@ def _apply(conn: psycopg.Connection, *, wallet: dict, case: dict, now: datetime,
         """update compensation_case set state = 'APPLIED', ledger_txn_id = %s, updated_at = %s
             where tenant_id = %s and case_id = %s returning *""",
         (posted.ledger_txn_id, now, case["tenant_id"], case["case_id"])).fetchone()
-    rbac.audit(conn, operator=operator, action="compensation.apply", target=f"compensation:{case['case_id']}",
-               tenant_id=case["tenant_id"], new={"amount": amount, "ledger_txn_id": str(posted.ledger_txn_id)})
+    audit.append(conn, operator=operator, action="compensation.apply", target=f"compensation:{case['case_id']}",
+                 tenant_id=case["tenant_id"], new={"amount": amount, "ledger_txn_id": str(posted.ledger_txn_id)})
     publish(COMPENSATIONS_APPLIED)
     logger.info("compensation applied", extra={"tenant_id": str(case["tenant_id"]), "case_id": case["case_id"], "amount": amount})
     return case

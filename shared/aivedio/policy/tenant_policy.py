@@ -7,7 +7,7 @@ here, the CLI's flags (`aivedio admin tenant policy set --max-user-running-tasks
 the merged policy (no database), so the rules can be tested alone.
 
 A change (`set_policy`) runs in the caller's transaction: it takes the policy-set lock (which a
-lane's capacity change takes too, admin.capacity.set_lane), reads the lanes in force, locks the
+lane's capacity change takes too, aivedio.admin.capacity.set_lane), reads the lanes in force, locks the
 tenant's row, applies the changes, validates the whole result and either raises InvalidRequest
 naming each bad field, having written nothing, or writes together: the row with policy_version + 1,
 the tenant's service_class (admission reads the lane from the tenant row), a tenant_policy_history
@@ -39,6 +39,7 @@ import psycopg
 
 from aivedio.config import SERVICE_CLASSES
 from aivedio.errors import InvalidRequest, NotFound
+from aivedio.policy import capacity
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -384,20 +385,18 @@ def set_policy(conn: psycopg.Connection, *, operator: str, tenant_id: Any, chang
 
 
 def _audit(conn, *, operator: str, tenant_id: UUID, old: dict, new: dict, reason: str | None, policy_version: int) -> None:
-    from aivedio.policy import roles as rbac
+    from aivedio import audit
 
-    rbac.audit(conn, operator=operator, action="policy.set", target=f"tenant:{tenant_id}", tenant_id=tenant_id,
-               old=old, new=new, reason=reason, policy_version=policy_version)
+    audit.append(conn, operator=operator, action="policy.set", target=f"tenant:{tenant_id}", tenant_id=tenant_id,
+                 old=old, new=new, reason=reason, policy_version=policy_version)
 
 
 def _lanes_in_force(config, conn: psycopg.Connection) -> Mapping[str, Any]:
-    from aivedio.admin import capacity
-
     return capacity.apply_overrides(config, capacity.load_overrides(conn)).lanes
 
 
 def lanes_in_force(platform, conn: psycopg.Connection) -> Mapping[str, Any]:
-    """The lanes as configured with the operator's capacity overrides (admin.capacity), read on the
+    """The lanes as configured with the operator's capacity overrides (aivedio.policy.capacity), read on the
     change's own connection: reserved_units is held against the capacity in force, not the file's.
     A change validates against the lanes it reads under the policy-set lock (set_policy), not these."""
     return _lanes_in_force(platform.config, conn)

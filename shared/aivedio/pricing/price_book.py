@@ -12,10 +12,12 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.pricing.estimates import Estimate
+from aivedio import degraded
+from aivedio.caching import cached
 from aivedio.config import PlatformConfig
-from aivedio.errors import InvalidRequest
+from aivedio.errors import DomainError, InvalidRequest
 from aivedio.observability import logger
+from aivedio.pricing.estimates import Estimate
 
 PRODUCT_CODE = "video-generation"
 UNIT = "CREDIT"
@@ -46,7 +48,7 @@ def _rules_hash(rules: dict) -> str:
 def ensure_price_book(conn: psycopg.Connection, config: PlatformConfig, now: datetime) -> UUID:
     """Make the configured prices the active version: reuse it when the rules are unchanged,
     otherwise close the current version and open a new one. Old versions are never edited.
-    A version an operator created (create_price_version) is kept whatever the config says: once
+    A version an operator created (aivedio.admin.prices) is kept whatever the config says: once
     an operator prices the product, the config's [prices] only seed an empty book. A new version
     ends where an operator's later version begins, so versions never overlap."""
     rules = default_rules(config)
@@ -93,8 +95,16 @@ def active_version(conn: psycopg.Connection, now: datetime) -> dict | None:
 # - the version was still in force when read, and its effective_to (if any) has not passed;
 # - the snapshot is at most BillingConfig.price_snapshot_max_age_seconds old (platform seconds);
 # - the task's quote is at most price_snapshot_max_task_amount credits.
-# Otherwise the request is refused with REJECT_PRICING_UNAVAILABLE: never a default or zero price,
-# never a client's. A task priced from a snapshot names that version, as any other.
+# Otherwise pricing raises PricesUnavailable, which admission answers REJECT_PRICING_UNAVAILABLE:
+# never a default or zero price, never a client's. A task priced from a snapshot names that version, as any other.
+
+class PricesUnavailable(DomainError):
+    """No price version can be read and no snapshot may stand in (or the task is above the
+    snapshot's cap): new work must wait, never be priced at a default."""
+
+    code = "PRICES_UNAVAILABLE"
+    retry_after_seconds = 30
+
 
 @dataclass(frozen=True)
 class PriceSnapshot:
@@ -122,19 +132,14 @@ def _read_active(platform) -> dict:
     return version
 
 
-def _unavailable(platform, message: str, *, mode: bool = True, **detail):
-    from aivedio import degraded
-    from aivedio.admission.decisions import Rejected
-
+def _unavailable(platform, message: str, *, mode: bool = True, **detail) -> PricesUnavailable:
     if mode:
         degraded.enter(platform, degraded.PRICING, f"price book unreadable and no usable price snapshot ({message}): "
                        "new work is refused", **detail)
-    return Rejected("REJECT_PRICING_UNAVAILABLE", f"prices are unavailable ({message}); retry later", 30)
+    return PricesUnavailable(f"prices are unavailable ({message}); retry later")
 
 
 def _from_snapshot(platform, error: Exception) -> Priced:
-    from aivedio import degraded
-
     snap: PriceSnapshot | None = platform.extras.get("price_snapshot")
     cfg = platform.config.billing
     now = platform.clock.now()
@@ -159,10 +164,7 @@ def _from_snapshot(platform, error: Exception) -> Priced:
 def current(platform) -> Priced:
     """The active version, cached per process for a moment: versions are immutable, and a new one
     only applies to tasks admitted after it is seen. When the price book cannot be read, the last
-    snapshot under the rules above, else Rejected(REJECT_PRICING_UNAVAILABLE)."""
-    from aivedio import degraded
-    from aivedio.caching import cached
-
+    snapshot under the rules above, else PricesUnavailable."""
     def load() -> Priced:
         try:
             version = _read_active(platform)
@@ -220,32 +222,6 @@ def quote(version: dict, est: Estimate) -> Quote:
     return Quote(version["price_version_id"], amount, amount, UNIT, policy)
 
 
-# --- operator price versions (issue 16) ---------------------------------------------------------------
-# An operator creates a version effective from a moment (now by default) with the rules of each model
-# given in full or in part: a model or a field left out keeps what the version it follows says (the
-# config's defaults for an empty book). Versions of a product never overlap: the ACTIVE open-ended
-# version in force at effective_from is closed there (its effective_to, the one column besides status
-# that may change), and any other ACTIVE version the new range touches refuses the new one. The past
-# is never rewritten: closing the version in force before now would reprice what was admitted under it.
-
-PRODUCTS = (PRODUCT_CODE,)
-MAX_REASON = 1000
-OVERLAPPING = """select price_version_id, effective_from, effective_to from price_book
-                  where product_code = %(p)s and status = 'ACTIVE'
-                    and (effective_to is null or effective_to > %(from)s)
-                    and (%(to)s::timestamptz is null or effective_from < %(to)s)
-                  order by effective_from"""
-IN_FORCE_AT = """select * from price_book
-                  where product_code = %(p)s and status = 'ACTIVE' and effective_from <= %(at)s
-                    and (effective_to is null or effective_to > %(at)s)
-                  order by effective_from desc limit 1"""
-LATEST_BEFORE = """select * from price_book where product_code = %(p)s and status = 'ACTIVE' and effective_from <= %(at)s
-                    order by effective_from desc limit 1"""
-INSERT_OPERATOR_VERSION = """insert into price_book (product_code, effective_from, effective_to, currency_or_unit, rules,
-                                                     status, created_by, reason)
-                             values (%s, %s, %s, %s, %s, 'ACTIVE', %s, %s) returning *"""
-
-
 def version_doc(row: dict) -> dict:
     return {"price_version_id": str(row["price_version_id"]), "product_code": row["product_code"],
             "effective_from": row["effective_from"].isoformat(),
@@ -253,106 +229,6 @@ def version_doc(row: dict) -> dict:
             "unit": row["currency_or_unit"], "status": row["status"], "rules": row["rules"],
             "created_by": row.get("created_by"), "reason": row.get("reason"),
             "created_at": row["created_at"].isoformat() if row.get("created_at") else None}
-
-
-def _model_rules(config: PlatformConfig, base: dict | None, models: object, bad: dict[str, str]) -> dict:
-    """Every configured model's full rules: `base` (a version's rules, or the config's defaults)
-    with the given fields of each model replaced, each model validated as a ModelPrice."""
-    from pydantic import ValidationError
-
-    from aivedio.billing.policies import POLICIES, UnknownPolicy, resolve
-    from aivedio.config import MODES, RESOLUTIONS, ModelPrice
-
-    start = (base or default_rules(config))["models"]
-    if not isinstance(models, dict):
-        bad["rules.models"] = "an object of model -> price fields"
-        return {}
-    out = {}
-    for m in config.models:
-        merged = {**ModelPrice().model_dump(), **(start.get(m) or config.price_for(m).model_dump())}
-        given = models.get(m, {})
-        if not isinstance(given, dict):
-            bad[f"rules.models.{m}"] = "an object of price fields"
-            continue
-        merged.update(given)
-        try:
-            price = ModelPrice.model_validate(merged)
-        except ValidationError as e:
-            for err in e.errors():
-                bad[".".join(["rules.models", m, *(str(x) for x in err["loc"])])] = err["msg"]
-            continue
-        for field, keys in (("resolution_multiplier_pct", RESOLUTIONS), ("mode_multiplier_pct", MODES)):
-            table = getattr(price, field)
-            if set(table) != set(keys) or any(type(v) is not int or v < 0 for v in table.values()):
-                bad[f"rules.models.{m}.{field}"] = f"a non-negative integer percentage for each of {', '.join(keys)}"
-        try:
-            resolve(price.charge_policy_code)
-        except UnknownPolicy:
-            bad[f"rules.models.{m}.charge_policy_code"] = f"a charge policy: {', '.join(sorted({k.split('@')[0] for k in POLICIES}))}"
-        out[m] = price.model_dump()
-    for m in models:
-        if m not in config.models:
-            bad[f"rules.models.{m}"] = f"unknown model; models are {', '.join(config.models)}"
-    return out
-
-
-def create_price_version(conn: psycopg.Connection, config: PlatformConfig, *, operator: str, effective_from: datetime | None,
-                         models: object, now: datetime, reason: object = None, effective_to: datetime | None = None,
-                         product_code: str = PRODUCT_CODE) -> dict:
-    """A new ACTIVE price version from effective_from (default now) to effective_to (default open).
-    Refused with InvalidRequest naming the field, writing nothing, when the range is empty, starts in
-    the past over a version in force, or overlaps another ACTIVE version of the product other than
-    the open-ended one it supersedes (closed at effective_from). Audited as price.create."""
-    from aivedio.policy import roles as rbac
-
-    bad: dict[str, str] = {}
-    if product_code not in PRODUCTS:
-        bad["product_code"] = f"unknown product; products are {', '.join(PRODUCTS)}"
-    start = effective_from or now
-    if start.tzinfo is None:
-        bad["effective_from"] = "a time with its timezone"
-    if effective_to is not None and (effective_to.tzinfo is None or (start.tzinfo is not None and effective_to <= start)):
-        bad["effective_to"] = "after effective_from, with its timezone"
-    if reason is not None and (not isinstance(reason, str) or not reason.strip()):
-        bad["reason"] = "a non-empty text: why the prices change"
-    elif reason is not None and len(reason) > MAX_REASON:
-        bad["reason"] = f"at most {MAX_REASON} characters"
-    if bad:
-        raise InvalidRequest(f"invalid price version: {', '.join(sorted(bad))}", bad)
-    conn.execute(LOCK_PRODUCT, (product_code,))
-    base = conn.execute(LATEST_BEFORE, {"p": product_code, "at": start}).fetchone()
-    rules = {"rules_version": 1, "models": _model_rules(config, base["rules"] if base else None, models, bad)}
-    superseded = conn.execute(IN_FORCE_AT, {"p": product_code, "at": start}).fetchone()
-    if superseded is not None and (superseded["effective_to"] is not None or superseded["effective_from"] >= start):
-        superseded = None  # only an open-ended version that began before is closed; any other overlaps
-    overlapping = [r for r in conn.execute(OVERLAPPING, {"p": product_code, "from": start, "to": effective_to}).fetchall()
-                   if superseded is None or r["price_version_id"] != superseded["price_version_id"]]
-    if superseded is not None and start < now:
-        overlapping.insert(0, superseded)  # in force since before now: closing it would reprice the past
-        superseded = None
-    if overlapping:
-        o = overlapping[0]
-        span = f"{o['effective_from'].isoformat()} to {o['effective_to'].isoformat() if o['effective_to'] else 'open'}"
-        bad["effective_from"] = (f"overlaps ACTIVE price version {o['price_version_id']} ({span})"
-                                 + ("; a version in force cannot be closed in the past" if o["effective_from"] < now
-                                    and start < now else ""))
-    if bad:
-        raise InvalidRequest(f"invalid price version: {', '.join(sorted(bad))}", bad)
-    if superseded is not None:
-        conn.execute("update price_book set effective_to = %s where price_version_id = %s",
-                     (start, superseded["price_version_id"]))
-    reason = reason.strip() if reason else None
-    row = conn.execute(INSERT_OPERATOR_VERSION, (product_code, start, effective_to, UNIT, json.dumps(rules), operator,
-                                                 reason)).fetchone()
-    doc = version_doc(row)
-    rbac.audit(conn, operator=operator, action="price.create", target=f"price_version:{row['price_version_id']}",
-               old=None if superseded is None else {"price_version_id": str(superseded["price_version_id"]),
-                                                    "effective_to": None},
-               new={"price_version_id": doc["price_version_id"], "product_code": product_code,
-                    "effective_from": doc["effective_from"], "effective_to": doc["effective_to"], "rules": rules,
-                    "supersedes": None if superseded is None else str(superseded["price_version_id"])},
-               reason=reason)
-    return {**doc, "supersedes": None if superseded is None else str(superseded["price_version_id"])}
 
 
 LIST_VERSIONS = """select * from price_book

@@ -18,7 +18,7 @@ It never moves a reservation: the counter follows the facts, not the other way r
 from __future__ import annotations
 
 from aivedio import degraded
-from aivedio.policy import roles as rbac
+from aivedio import audit
 from aivedio.observability import logger
 from aivedio.reconcile import room
 from aivedio.reconcile.room import Defaults, Report
@@ -100,10 +100,10 @@ def run_once(platform) -> Report:
                     report.count("consistent_under_lock")
                     continue
                 conn.execute(REPAIR, {"used": used, "key": r["resource_key"], "shard": r["shard_no"]})
-                rbac.audit(conn, operator=OPERATOR, action="capacity.counter.repair", target=f"shard:{r['resource_key']}#{r['shard_no']}",
-                           old={"used_units": r["used_units"], "capacity_units": r["capacity_units"]},
-                           new={"used_units": used, "capacity_units": max(r["capacity_units"], used)},
-                           reason="used_units reset to the sum of the shard's ACTIVE reservations (ch. 18.16.6)")
+                audit.append(conn, operator=OPERATOR, action="capacity.counter.repair", target=f"shard:{r['resource_key']}#{r['shard_no']}",
+                             old={"used_units": r["used_units"], "capacity_units": r["capacity_units"]},
+                             new={"used_units": used, "capacity_units": max(r["capacity_units"], used)},
+                             reason="used_units reset to the sum of the shard's ACTIVE reservations (ch. 18.16.6)")
                 logger.error("ALERT capacity counter repaired", extra={"resource_key": r["resource_key"], "shard_no": r["shard_no"],
                                                                        "old_used_units": r["used_units"], "new_used_units": used})
                 fixed += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 from aivedio.metrics_catalog import (BORROWED_UNITS, LANE_UTILISATION, OLDEST_WAIT_SECONDS, PROVIDER_UTILISATION,
                                      QUEUE_DEPTH_TASKS, QUEUE_DEPTH_UNITS, RESERVED_CREDITS_IN_FLIGHT, RUNNING_UNITS)
 from aivedio.observability import due, publish
+from aivedio.policy.capacity import effective_config
 from aivedio.scheduling.resources import account_key
 
 EVERY_SECONDS = 60.0
@@ -34,9 +35,7 @@ def read_gauges(platform) -> dict:
             """select coalesce(sum(reserved_amount - settled_amount - released_amount), 0)::bigint as held
                  from credit_reservation where state = 'ACTIVE'""").fetchone()
     out = {"lanes": {}, "providers": {}, "reserved_credits": int(credits["held"])}
-    from aivedio.admin.capacity import effective_config  # capacities an operator changed (issue 16)
-
-    for lane, lc in effective_config(platform).lanes.items():
+    for lane, lc in effective_config(platform).lanes.items():  # with the operator's capacity overrides
         r = lanes.get(lane)
         waited = (now - r["oldest"]).total_seconds() * platform.clock.time_scale if r and r["oldest"] else 0.0
         used = int(slots[f"lane:{lane}"]["used"]) if f"lane:{lane}" in slots else 0

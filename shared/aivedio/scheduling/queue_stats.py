@@ -8,6 +8,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 from aivedio.caching import cached
+from aivedio.policy.capacity import effective_config
 from aivedio.pricing.estimates import PROVIDER_SECOND_BASE
 
 
@@ -43,8 +44,6 @@ def lane_stats(platform, lane: str, conn=None) -> LaneStats:
                     where queue_class = %s and state = 'SUCCEEDED' and finished_at > %s""",
                 (lane, now - platform.clock.delta(platform.config.timers.throughput_window_seconds)),
             ).fetchone()
-        from aivedio.admin.capacity import effective_config  # it imports this package
-
         capacity = effective_config(platform, conn).lanes[lane].capacity_units
         # Without recent completions, assume the lane's capacity turns over once per unit-time.
         fallback = capacity / float(PROVIDER_SECOND_BASE) * platform.clock.time_scale

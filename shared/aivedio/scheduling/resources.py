@@ -6,6 +6,7 @@ per-tenant and per-user keys have one shard. Releases go ACTIVE -> RELEASED by C
 transaction that wins that CAS decrements the counters."""
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass
 from datetime import datetime
@@ -13,8 +14,10 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.faults import safeguards
 from aivedio.config import PlatformConfig
+from aivedio.faults import safeguards
+from aivedio.observability import logger
+from aivedio.policy.capacity import Overrides, apply_overrides, load_overrides, overrides
 from aivedio.tasks import TERMINAL
 
 
@@ -98,15 +101,22 @@ def ensure_pools(conn: psycopg.Connection, pools: list[tuple[str, int, int]]) ->
         )
 
 
+def effective_pools(config: PlatformConfig, ov: Overrides) -> dict[str, tuple[int, int]]:
+    """platform_pools of the effective config, with the POOL overrides: key -> (capacity, shards)."""
+    pools = platform_pools(apply_overrides(config, ov))
+    for key, s in ov.of_kind("POOL").items():
+        if key in pools and "capacity_units" in s:
+            pools[key] = (int(s["capacity_units"]), pools[key][1])
+    return pools
+
+
 def ensure_platform_pools(conn: psycopg.Connection, config: PlatformConfig) -> None:
     """Create or resize the config's pools. Only pools whose shards differ from the config are
     written: an upsert locks its row even when it changes nothing, so touching every shard made a
     process start wait for (and deadlock with) the claims and releases running, and it lifted the
     adaptive limits (AIMD) that a start must leave alone. An operator's overrides (migration 0170,
-    aivedio.admin.capacity) apply on top of the config, so a start never undoes them, nor splits a
+    aivedio.policy.capacity) apply on top of the config, so a start never undoes them, nor splits a
     pool whose lowered capacity is still draining (resize_pool, as the operator's change did)."""
-    from aivedio.admin.capacity import effective_pools, load_overrides  # it imports this module
-
     def unsettled(keys: list[str] | None) -> tuple[dict[str, tuple[int, int]], dict[str, list[int]], list[str]]:
         """The pools in force, the shard numbers each key has, and the keys (of `keys`, default
         all) whose shards are not the plain split of their capacity."""
@@ -125,7 +135,7 @@ def ensure_platform_pools(conn: psycopg.Connection, config: PlatformConfig) -> N
     if not candidates:
         return
     with conn.transaction():
-        # As admin.capacity.converge: the candidates' shards locked first (key, shard order, as
+        # As converge (below): the candidates' shards locked first (key, shard order, as
         # claims take them), then the overrides and shards read again, so an operator's change
         # committed meanwhile is applied, never undone by the overrides read above.
         conn.execute("""select 1 from resource_pool_shard where resource_key = any(%s) order by resource_key, shard_no
@@ -159,7 +169,7 @@ def shard_allocation(total: int, used: list[int]) -> list[tuple[int, int | None]
       left goes to the shards under their share (the capacities add up to total);
     - more running than total: no shard takes new work until the excess has drained; a shard's limit
       is what it would still hold if the whole excess left it (sum(limits) <= total). That holds
-      back more than needed meanwhile, so a later resize (aivedio.admin.capacity.converge) re-splits."""
+      back more than needed meanwhile, so a later resize (converge, below) re-splits."""
     target = split(total, len(used))
     if all(u <= t for u, t in zip(used, target)):
         return [(t, None) for t in target]
@@ -366,3 +376,74 @@ def rebuild_counters(conn: psycopg.Connection) -> int:
              from truth t
             where s.resource_key = t.resource_key and s.shard_no = t.shard_no and s.used_units <> t.used"""
     ).rowcount
+
+
+# --- convergence: a pool resized below what ran, re-split as that work drains ---------------------------
+
+# Platform seconds between two passes of `converge` in one process.
+CONVERGE_SECONDS = 5.0
+# The pools' shard rows, locked in the order claims lock them (key, then shard).
+LOCK_SHARDS = """select 1 from resource_pool_shard where resource_key = any(%s) order by resource_key, shard_no
+                  for update"""
+# What claims obey now per pool: the capacity within each shard's limit, and the units in use.
+POOL_STATE = """select resource_key, count(*)::int as shards, sum(used_units)::bigint as used,
+                       sum(least(capacity_units, coalesce(limit_units, capacity_units)))::bigint as in_force,
+                       bool_or(limit_units is not null) as limited,
+                       array_agg(capacity_units order by shard_no) as capacities
+                  from resource_pool_shard where resource_key = any(%s) group by resource_key"""
+
+_CONVERGED = "capacity_converged_at"  # platform.extras: time.monotonic() of this process's last pass
+
+
+def overridden_pool_keys(config: PlatformConfig, ov: Overrides) -> list[str]:
+    """The pool keys that operator overrides set."""
+    keys: list[str] = []
+    for lane in ov.of_kind("LANE"):
+        keys += [f"lane:{lane}", f"lane:{lane}:lent"]
+    keys += list(ov.of_kind("POOL"))
+    for okey in ov.of_kind("PROVIDER_ACCOUNT"):
+        provider, _, account_id = okey.partition("/")
+        p = config.provider(provider)
+        a = next((a for a in p.accounts if a.account_id == account_id), None) if p else None
+        if a is not None:
+            keys += [account_key(p.name, a.account_id)] + [provider_key(p.name, a.account_id, a.region, m) for m in p.models]
+    return keys
+
+
+def converge(platform, *, force: bool = False) -> int:
+    """Re-split each overridden pool that a resize left unsettled (lowered below what ran, the
+    shards hold back more than needed as that work drains). At most once per CONVERGE_SECONDS per
+    process; a read when nothing is overridden or every pool is settled. Returns pools resized."""
+    now = time.monotonic()
+    if not force and now - platform.extras.get(_CONVERGED, float("-inf")) < platform.clock.real_seconds(CONVERGE_SECONDS):
+        return 0
+    platform.extras[_CONVERGED] = now
+    ov = overrides(platform)
+    if not ov.rows:
+        return 0
+    pools = effective_pools(platform.config, ov)
+    keys = [k for k in overridden_pool_keys(platform.config, ov) if k in pools]
+    if not keys:
+        return 0
+    with platform.db.connection() as conn:
+        todo = [r["resource_key"] for r in conn.execute(POOL_STATE, (keys,)).fetchall()
+                if not pool_settled(list(r["capacities"]), pools[r["resource_key"]][0])]
+    if not todo:
+        return 0
+
+    def tx(conn) -> int:
+        # The cached overrides above only pick candidates: they may predate a change another process
+        # just made, and re-splitting to them would put an old capacity back. Under the shards' locks
+        # (which every set_* holds while it writes its override and resizes), the overrides read
+        # now are the ones in force, and no change can commit between that read and the resize.
+        conn.execute(LOCK_SHARDS, (sorted(todo),))
+        fresh = effective_pools(platform.config, load_overrides(conn))
+        state = {r["resource_key"]: r for r in conn.execute(POOL_STATE, (todo,)).fetchall()}
+        return sum(resize_pool(conn, k, *fresh[k], keep_adaptive=True) for k in sorted(todo)
+                   if k in fresh and k in state and not pool_settled(list(state[k]["capacities"]), fresh[k][0]))
+
+    try:
+        return platform.db.transaction(tx)
+    except psycopg.Error as e:  # the next pass tries again
+        logger.warning("capacity convergence failed", extra={"error": repr(e)[:200]})
+        return 0

@@ -18,13 +18,13 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from aivedio import degraded
-from aivedio.admin import capacity
+from aivedio.policy import capacity
 from aivedio.policy.tenant_policy import POLICY_EPOCH, admitted_service_class
 from aivedio.spend import budgets
-from aivedio.billing.errors import BudgetExceeded, CurrencyMismatch
+from aivedio.spend.budgets import BudgetExceeded, CurrencyMismatch
 from aivedio.metrics_catalog import CLAIMS, FIT_SCAN_SKIPS, QUEUE_WAIT_SECONDS
 from aivedio.observability import logger, publish
-from aivedio.scheduling import drr, router
+from aivedio.scheduling import drr, resources, router
 from aivedio.scheduling.claim import ENTERPRISE, LENDER_KEY, Claimed, NoRoom, claim
 from aivedio.scheduling.resources import account_key, free_units, preferred_shard
 from aivedio.scheduling.ring import DOWN, MISSING, READY, Ring
@@ -673,7 +673,7 @@ class Scheduler:
         # A capacity counter known to be wrong (the capacity-counters service found it and has not
         # committed the repair yet): conservative capacity mode until it has (ch. 18.18).
         suspect = degraded.capacity_suspect(p)
-        capacity.converge(p)  # pools an operator lowered below what ran, re-split as it drains (every few s)
+        resources.converge(p)  # pools an operator lowered below what ran, re-split as it drains (every few s)
         for lane in lanes or self.cfg.lane_order:
             state = self.ring.index_state(lane)
             use_redis = state == READY

@@ -32,13 +32,26 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.policy import roles as rbac
+from aivedio import audit
 from aivedio.auth import validate_project
-from aivedio.billing.errors import BudgetExceeded, CurrencyMismatch
 from aivedio.config import BillingConfig
-from aivedio.errors import InvalidRequest, NotFound
+from aivedio.errors import Conflict, DomainError, InvalidRequest, NotFound
 from aivedio.metrics_catalog import BUDGET_ALERTS, BUDGET_REFUSALS
 from aivedio.observability import logger, publish
+
+
+class BudgetExceeded(DomainError):
+    """A budget at or above its reject threshold, or restricting this kind of work, or its
+    abnormal-slope breaker tripped. `details` names the budget and the level."""
+
+    code = "BUDGET_EXCEEDED"
+
+
+class CurrencyMismatch(Conflict):
+    """Two amounts in different currencies: rejected, never summed."""
+
+    code = "CURRENCY_MISMATCH"
+
 
 SCOPES = ("TENANT", "PROJECT", "PROVIDER_ACCOUNT", "MODEL", "REGION", "GLOBAL")
 QUANTUM = Decimal("0.00000001")
@@ -81,7 +94,6 @@ def _project_tenant(scope_id: str) -> UUID | None:
 
 def set_budget(conn: psycopg.Connection, *, operator: str, scope_type: str, scope_id: str, period_start: datetime,
                period_end: datetime, limit_amount: Decimal, currency: str, tenant_id: UUID | None = None) -> dict:
-    rbac.require(conn, operator, "budget.manage")
     bad = {}
     if scope_type not in SCOPES:
         bad["scope_type"] = f"one of {', '.join(SCOPES)}"
@@ -113,9 +125,9 @@ def set_budget(conn: psycopg.Connection, *, operator: str, scope_type: str, scop
            do update set limit_amount = excluded.limit_amount, version = budget_account.version + 1, updated_at = now()
            returning *""",
         (scope_type, scope_id, tenant_id, period_start, period_end, Decimal(limit_amount), currency)).fetchone()
-    rbac.audit(conn, operator=operator, action="budget.set", target=f"budget:{row['budget_id']}", tenant_id=tenant_id,
-               new={"scope": f"{scope_type}:{scope_id}", "limit": str(limit_amount), "currency": currency,
-                    "period": [period_start.isoformat(), period_end.isoformat()]})
+    audit.append(conn, operator=operator, action="budget.set", target=f"budget:{row['budget_id']}", tenant_id=tenant_id,
+                 new={"scope": f"{scope_type}:{scope_id}", "limit": str(limit_amount), "currency": currency,
+                      "period": [period_start.isoformat(), period_end.isoformat()]})
     return dict(row)
 
 

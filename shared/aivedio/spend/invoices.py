@@ -95,6 +95,17 @@ class UnknownInvoiceProvider(NotFound):
     code = "UNKNOWN_PROVIDER"
 
 
+def _unknown_provider(platform, provider: str) -> UnknownInvoiceProvider:
+    """The error names the config it looked in: a provider `serve` knows from its --config is not
+    known to a command run without one."""
+    source = str(platform.settings.config_file) if platform.settings.config_file else None
+    known = [p.name for p in platform.config.providers]
+    where = f"the config file {source}" if source else \
+        "the built-in default config (no config file was given: set AIVEDIO_CONFIG or pass --config)"
+    return UnknownInvoiceProvider(f"no provider {provider!r} in {where}; its providers are {', '.join(known)}",
+                                  details={"provider": provider, "config_file": source, "providers": known})
+
+
 class InvoiceRunFailed(DomainError):
     """Something nobody expected broke a run: its row is finished INCOMPLETE with the error as evidence."""
 
@@ -346,7 +357,7 @@ def reconcile_day(platform, provider: str, day: date, *, now: datetime | None = 
 
     pc = platform.config.provider(provider)
     if pc is None:
-        raise UnknownInvoiceProvider(f"no provider {provider!r} in the config", details={"provider": provider})
+        raise _unknown_provider(platform, provider)
     t = tuning(platform, NAME)
     billing = platform.config.billing
     now = now or platform.clock.now()
@@ -605,11 +616,11 @@ def close_month(platform, provider: str, month: date, *, operator: str, allow_in
     it is closed already, and, unless `allow_incomplete` (with a reason), when a day of it has no COMPLETE run."""
     from psycopg.types.json import Jsonb
 
-    from aivedio.policy import roles as rbac
+    from aivedio import audit
 
     pc = platform.config.provider(provider)
     if pc is None:
-        raise UnknownInvoiceProvider(f"no provider {provider!r} in the config", details={"provider": provider})
+        raise _unknown_provider(platform, provider)
     month = items.month_start(month)
     end = items.next_month(month)
     now = platform.clock.now()
@@ -624,7 +635,6 @@ def close_month(platform, provider: str, month: date, *, operator: str, allow_in
             raise ReconcileBusy(f"an invoice run for {provider} is in progress", details={"provider": provider})
 
         def read(conn) -> dict:
-            rbac.require(conn, operator, "invoice.close")
             q = {"provider": provider, "month": month}
             if conn.execute(PERIOD, q).fetchone() is not None:
                 raise PeriodClosed(f"{provider} {month:%Y-%m} is closed already", details={"provider": provider,
@@ -659,15 +669,14 @@ def close_month(platform, provider: str, month: date, *, operator: str, allow_in
             raise DomainError(f"the close report could not be archived: {e}", code="INVOICE_ARCHIVE_FAILED") from None
 
         def write(conn) -> None:
-            rbac.require(conn, operator, "invoice.close")
             row = conn.execute(CLOSE_PERIOD, {"provider": provider, "month": month, "now": now, "operator": operator,
                                               "summary": Jsonb(summary), "key": stored.key, "sha": stored.sha256}).fetchone()
             if row is None:
                 raise PeriodClosed(f"{provider} {month:%Y-%m} is closed already", details={"provider": provider})
-            rbac.audit(conn, operator=operator, action="invoice.close", target=f"invoice-period:{provider}:{month:%Y-%m}",
-                       new={k: summary[k] for k in ("external_amount", "internal_amount", "gross_drift", "net_drift",
-                                                    "open_items_carried", "incomplete_days")} | {"report_key": stored.key},
-                       reason=reason)
+            audit.append(conn, operator=operator, action="invoice.close", target=f"invoice-period:{provider}:{month:%Y-%m}",
+                         new={k: summary[k] for k in ("external_amount", "internal_amount", "gross_drift", "net_drift",
+                                                      "open_items_carried", "incomplete_days")} | {"report_key": stored.key},
+                         reason=reason)
 
         platform.db.transaction(write)
     return {**summary, "report_key": stored.key, "report_sha256": stored.sha256, "report_html_key": html_stored.key}

@@ -31,7 +31,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio.policy import roles as rbac
+from aivedio import audit
 from aivedio.spend import parked
 from aivedio.spend.costs import QUANTUM, MediaCost, record_media_costs
 from aivedio.errors import InvalidRequest
@@ -118,7 +118,6 @@ class _Line:
 def import_cur(conn: psycopg.Connection, *, operator: str, path: str, currencies: Iterable[str]) -> dict:
     """Import one CUR export in the caller's transaction, audited. A file that is not a CUR export
     with the aivedio tenant tag column is refused whole, having written nothing."""
-    rbac.require(conn, operator, "costs.import")
     try:
         result = ImportResult(file=path, sha256=_sha256(path))
         with _open_text(path) as f:
@@ -133,8 +132,8 @@ def import_cur(conn: psycopg.Connection, *, operator: str, path: str, currencies
     except (OSError, UnicodeDecodeError, csv.Error) as e:  # unreadable, a broken gzip, not CSV: nothing of it is kept
         raise InvalidRequest(f"cannot read {path}: {e}", {"file": "a readable CUR export (.csv or .csv.gz)"}) from None
     doc = result.as_dict()
-    rbac.audit(conn, operator=operator, action="media_costs.import", target=f"file:{result.sha256}",
-               new={k: v for k, v in doc.items() if k != "unattributed_lines"})
+    audit.append(conn, operator=operator, action="media_costs.import", target=f"file:{result.sha256}",
+                 new={k: v for k, v in doc.items() if k != "unattributed_lines"})
     return doc
 
 

@@ -115,13 +115,9 @@ def seeded_template(admin_url: str, *, tenants: int, users: int, hot_slots: int 
             hot += [p.db.transaction(lambda c, n=n: add_user(c, n)) for n in range(1, users)]
             if hot_slots:
                 # The hot wallet partitioned (billing.allowances): its users admit through slots.
-                def part(conn):
-                    conn.execute("insert into operator_role (operator, role, granted_by) values ('bench', 'BILLING_ADMIN', "
-                                 "'bench') on conflict do nothing")
-                    allowances.partition(conn, operator="bench", tenant_id=big.tenant_id, slots=hot_slots,
-                                         chunk_amount=HOT_CHUNK_TASKS * BENCH_PRICE)
-
-                p.db.transaction(part)
+                p.db.transaction(lambda conn: allowances.partition(conn, operator="bench", tenant_id=big.tenant_id,
+                                                                   slots=hot_slots,
+                                                                   chunk_amount=HOT_CHUNK_TASKS * BENCH_PRICE))
             with p.db.connection() as conn:
                 conn.execute("vacuum analyze")
         finally:

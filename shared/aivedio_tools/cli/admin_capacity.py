@@ -1,9 +1,7 @@
-"""`aivedio admin lane|pool|provider-account|switch|price ...` (issue 16): capacities, borrowing limits,
+"""`aivedio admin lane|pool|provider-account|switch|price ...`: capacities, borrowing limits,
 provider account concurrency, admission switches and price versions, changed at run time through
-aivedio.admin.capacity and aivedio.pricing.price_book. Like every admin command it needs no token:
-it runs with the database's credentials and its writes are audited as --operator or cli:<os user>,
-with the old and new values and the --reason given. A change is in force in every process within
-seconds.
+aivedio.admin.capacity and aivedio.admin.prices. A write is audited with the old and new values and
+the --reason given, and is in force in every process within seconds.
 
     aivedio admin lane list
     aivedio admin lane set --lane L [--capacity-units N] [--borrowable-units N] [--min-headroom-units N]
@@ -14,86 +12,46 @@ seconds.
     aivedio admin price list [--product-code P] [--limit N] [--cursor C]
     aivedio admin price create [--effective-from T] [--effective-to T] (--rules JSON | --rules-file F) [--reason R]
 
-Each takes --json (one JSON document on stdout). Bad input prints {"error": "VALIDATION_ERROR",
-"details": {"fields": {...}}} and exits 1, having written nothing."""
+Bad input prints {"error": "VALIDATION_ERROR", "details": {"fields": {...}}} and exits 1, having
+written nothing."""
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from aivedio.errors import DomainError
-
-
-def _number(s: str) -> int | str:
-    """An integer flag, or the text as typed: the core names the field it rejects (exit 1, JSON)."""
-    try:
-        return int(s)
-    except ValueError:
-        return s
-
-
-def _run(args: argparse.Namespace, fn: Callable[[Any], Any], *, lines: Callable[[Any], list[str]] | None = None) -> int:
-    """fn(platform) (which runs its own transaction), then the document: JSON, or lines for a person."""
-    from aivedio_tools.cli import _emit, _platform
-
-    platform = _platform(args)
-    try:
-        doc = fn(platform)
-    except DomainError as e:
-        err = {"error": e.code, "message": e.message, "details": e.details}
-        if args.json:
-            sys.stdout.write(json.dumps(err, default=str, sort_keys=True) + "\n")
-        else:
-            sys.stderr.write(f"aivedio: {e.code}: {e.message}\n")
-            for field, why in (e.details.get("fields") or {}).items():
-                sys.stderr.write(f"  {field}: {why}\n")
-        return 1
-    finally:
-        platform.close()
-    if args.json or lines is None:
-        _emit(doc, args.json)
-    else:
-        sys.stdout.write("".join(f"{line}\n" for line in lines(doc)))
-    return 0
+from aivedio.admin import capacity, prices
+from aivedio.errors import InvalidRequest
+from aivedio.policy.capacity import overrides
+from aivedio.pricing.price_book import PRODUCT_CODE, list_price_versions
+from aivedio_tools.cli.common import add_common, number, operator, run, table, when
 
 
 def _change(args: argparse.Namespace, fn: Callable[[Any, Any], dict]) -> int:
     """A write: fn(platform, conn) in one transaction, then this process's cached overrides dropped."""
-    from aivedio.admin import capacity
-
-    return _run(args, lambda p: capacity.run_change(p, lambda conn: fn(p, conn)))
-
-
-def _table(rows: list[dict], columns: list[str]) -> list[str]:
-    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
-    return ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()] + \
-        ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
+    return run(args, lambda p, _: capacity.run_change(p, lambda conn: fn(p, conn)), transaction=False)
 
 
 def _by(rows: list[dict]) -> list[dict]:
     return [{**r, "changed_by": (r.get("override") or {}).get("updated_by")} for r in rows]
 
 
+def _rows(columns: list[str]):
+    return lambda doc: table(_by(doc["items"]), columns)
+
+
 # --- lanes ----------------------------------------------------------------------------------------
 
 def _lane_list(args) -> int:
-    from aivedio.admin.capacity import lane_report
-
-    return _run(args, lambda p: {"items": lane_report(p)}, lines=lambda d: _table(_by(d["items"]), [
+    return run(args, lambda p, _: {"items": capacity.lane_report(p)}, transaction=False, human=_rows([
         "lane", "capacity_units", "borrowable_units", "in_force_units", "queued_units", "running_units",
         "oldest_wait_seconds", "admission_open", "changed_by"]))
 
 
 def _lane_set(args) -> int:
-    from aivedio.admin.capacity import set_lane
-    from aivedio_tools.cli.admin_billing import _operator
-
-    return _change(args, lambda p, c: set_lane(
-        c, p.config, operator=_operator(args), lane=args.lane, reason=args.reason, capacity_units=args.capacity_units,
+    return _change(args, lambda p, c: capacity.set_lane(
+        c, p.config, operator=operator(args), lane=args.lane, reason=args.reason, capacity_units=args.capacity_units,
         borrowable_units=args.borrowable_units, min_headroom_units=args.min_headroom_units,
         max_queue_units=args.max_queue_units, now=p.clock.now()))
 
@@ -101,82 +59,53 @@ def _lane_set(args) -> int:
 # --- pools ----------------------------------------------------------------------------------------
 
 def _pool_list(args) -> int:
-    from aivedio.admin.capacity import overrides, pool_report
-
-    def fn(p):
-        with p.db.connection() as c:
-            return {"items": pool_report(c, p.config, overrides(p, c))}
-
-    return _run(args, fn, lines=lambda d: _table(_by(d["items"]), [
+    return run(args, lambda p, c: {"items": capacity.pool_report(c, p.config, overrides(p, c))}, human=_rows([
         "key", "configured_units", "capacity_units", "in_force_units", "used_units", "changed_by"]))
 
 
 def _pool_set(args) -> int:
-    from aivedio.admin.capacity import set_pool
-    from aivedio_tools.cli.admin_billing import _operator
-
-    return _change(args, lambda p, c: set_pool(c, p.config, operator=_operator(args), key=args.key,
-                                               capacity_units=args.capacity_units, reason=args.reason, now=p.clock.now()))
+    return _change(args, lambda p, c: capacity.set_pool(c, p.config, operator=operator(args), key=args.key,
+                                                        capacity_units=args.capacity_units, reason=args.reason,
+                                                        now=p.clock.now()))
 
 
 # --- provider accounts --------------------------------------------------------------------------------
 
 def _account_list(args) -> int:
-    from aivedio.admin.capacity import overrides, provider_account_report
-
-    def fn(p):
-        with p.db.connection() as c:
-            return {"items": provider_account_report(c, p.config, overrides(p, c))}
-
-    return _run(args, fn, lines=lambda d: _table(_by(d["items"]), [
-        "provider", "account_id", "region", "configured_max_concurrency", "max_concurrency", "in_force_units",
-        "used_units", "changed_by"]))
+    return run(args, lambda p, c: {"items": capacity.provider_account_report(c, p.config, overrides(p, c))},
+               human=_rows(["provider", "account_id", "region", "configured_max_concurrency", "max_concurrency",
+                            "in_force_units", "used_units", "changed_by"]))
 
 
 def _account_set(args) -> int:
-    from aivedio.admin.capacity import set_provider_account
-    from aivedio_tools.cli.admin_billing import _operator
-
-    return _change(args, lambda p, c: set_provider_account(
-        c, p.config, operator=_operator(args), provider=args.provider, account_id=args.account_id,
+    return _change(args, lambda p, c: capacity.set_provider_account(
+        c, p.config, operator=operator(args), provider=args.provider, account_id=args.account_id,
         max_concurrency=args.max_concurrency, reason=args.reason, now=p.clock.now()))
 
 
 # --- switches -------------------------------------------------------------------------------------
 
 def _switch_list(args) -> int:
-    from aivedio.admin.capacity import overrides, switch_report
-
-    return _run(args, lambda p: {"items": switch_report(p.config, overrides(p))},
-                lines=lambda d: _table(_by(d["items"]), ["switch", "open", "changed_by"]))
+    return run(args, lambda p, _: {"items": capacity.switch_report(p.config, overrides(p))}, transaction=False,
+               human=_rows(["switch", "open", "changed_by"]))
 
 
 def _switch_set(args) -> int:
-    from aivedio.admin.capacity import set_switch
-    from aivedio_tools.cli.admin_billing import _operator
-
-    return _change(args, lambda p, c: set_switch(c, p.config, operator=_operator(args), open=args.open, reason=args.reason,
-                                                 lane=args.lane, resource_class=args.resource_class, now=p.clock.now()))
+    return _change(args, lambda p, c: capacity.set_switch(c, p.config, operator=operator(args), open=args.open,
+                                                          reason=args.reason, lane=args.lane,
+                                                          resource_class=args.resource_class, now=p.clock.now()))
 
 
 # --- prices ---------------------------------------------------------------------------------------
 
 def _price_list(args) -> int:
-    from aivedio.pricing.price_book import list_price_versions
-
-    def fn(p):
-        with p.db.connection() as c:
-            return list_price_versions(c, product_code=args.product_code, limit=args.limit, cursor=args.cursor)
-
-    return _run(args, fn, lines=lambda d: _table(d["items"], [
-        "price_version_id", "product_code", "effective_from", "effective_to", "status", "created_by"]))
+    return run(args, lambda p, c: list_price_versions(c, product_code=args.product_code, limit=args.limit,
+                                                      cursor=args.cursor),
+               human=lambda d: table(d["items"], ["price_version_id", "product_code", "effective_from", "effective_to",
+                                                  "status", "created_by"]))
 
 
 def _price_create(args) -> int:
-    from aivedio.errors import InvalidRequest
-    from aivedio.pricing.price_book import PRODUCT_CODE, create_price_version
-    from aivedio_tools.cli.admin_billing import _operator
-
     def fn(p, c):
         text = Path(args.rules_file).read_text() if args.rules_file else args.rules
         try:
@@ -185,9 +114,9 @@ def _price_create(args) -> int:
             raise InvalidRequest("rules are not JSON", {"rules": 'a JSON object, e.g. {"models": {"video-model-x": '
                                                                  '{"per_second_amount": 12}}}'}) from None
         models = rules.get("models", {}) if isinstance(rules, dict) else rules
-        return create_price_version(c, p.config, operator=_operator(args), effective_from=args.effective_from,
-                                    effective_to=args.effective_to, models=models, reason=args.reason,
-                                    now=p.clock.now(), product_code=args.product_code or PRODUCT_CODE)
+        return prices.create_price_version(c, p.config, operator=operator(args), effective_from=args.effective_from,
+                                           effective_to=args.effective_to, models=models, reason=args.reason,
+                                           now=p.clock.now(), product_code=args.product_code or PRODUCT_CODE)
 
     return _change(args, fn)
 
@@ -195,45 +124,43 @@ def _price_create(args) -> int:
 # --- registration ---------------------------------------------------------------------------------
 
 def register(admin) -> None:
-    from aivedio_tools.cli.admin_billing import _common, _dt
-
     def write(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p.add_argument("--reason", default=None, help="why: kept in the audit log with the old and new values")
-        return _common(p)
+        return add_common(p)
 
     lane = admin.add_parser("lane", help="lane capacities, borrowing limits and queue limits").add_subparsers(
         dest="lane_command", required=True)
-    _common(lane.add_parser("list", help="each lane's capacity in force, queue, running units and oldest wait")
+    add_common(lane.add_parser("list", help="each lane's capacity in force, queue, running units and oldest wait")
             ).set_defaults(fn=_lane_list)
     s = write(lane.add_parser("set", help="override a lane's capacity figures (the pool is resized at once; "
                                           "lowering never cuts running work)"))
     s.add_argument("--lane", required=True)
     for flag in ("--capacity-units", "--borrowable-units", "--min-headroom-units", "--max-queue-units"):
-        s.add_argument(flag, type=_number, default=None, metavar="N")
+        s.add_argument(flag, type=number, default=None, metavar="N")
     s.set_defaults(fn=_lane_set)
 
     pool = admin.add_parser("pool", help="resource pools: worker:cpu, worker:gpu, cost:platform, model:<model>"
                             ).add_subparsers(dest="pool_command", required=True)
-    _common(pool.add_parser("list", help="each pool's configured and effective capacity and use")).set_defaults(fn=_pool_list)
+    add_common(pool.add_parser("list", help="each pool's configured and effective capacity and use")).set_defaults(fn=_pool_list)
     s = write(pool.add_parser("set", help="override a pool's capacity"))
     s.add_argument("--key", required=True, help="the pool's resource key, e.g. worker:gpu")
-    s.add_argument("--capacity-units", type=_number, required=True, metavar="N")
+    s.add_argument("--capacity-units", type=number, required=True, metavar="N")
     s.set_defaults(fn=_pool_set)
 
     acct = admin.add_parser("provider-account", help="provider accounts' concurrency").add_subparsers(
         dest="provider_account_command", required=True)
-    _common(acct.add_parser("list", help="each account's max_concurrency, what claims obey now and slots in use")
+    add_common(acct.add_parser("list", help="each account's max_concurrency, what claims obey now and slots in use")
             ).set_defaults(fn=_account_list)
     s = write(acct.add_parser("set", help="override an account's max_concurrency (running jobs finish; new claims "
                                           "wait until fewer than the new limit run)"))
     s.add_argument("--provider", required=True)
     s.add_argument("--account-id", required=True)
-    s.add_argument("--max-concurrency", type=_number, required=True, metavar="N")
+    s.add_argument("--max-concurrency", type=number, required=True, metavar="N")
     s.set_defaults(fn=_account_set)
 
     switch = admin.add_parser("switch", help="admission switches of lanes and resource classes").add_subparsers(
         dest="switch_command", required=True)
-    _common(switch.add_parser("list", help="every switch, open or closed")).set_defaults(fn=_switch_list)
+    add_common(switch.add_parser("list", help="every switch, open or closed")).set_defaults(fn=_switch_list)
     s = write(switch.add_parser("set", help="open or close admission; closed answers REJECT_RESOURCE_CLASS_DISABLED"))
     which = s.add_mutually_exclusive_group(required=True)
     which.add_argument("--lane")
@@ -245,7 +172,7 @@ def register(admin) -> None:
 
     price = admin.add_parser("price", help="price book versions (immutable, never overlapping)").add_subparsers(
         dest="price_command", required=True)
-    ls = _common(price.add_parser("list", help="price versions, newest first"))
+    ls = add_common(price.add_parser("list", help="price versions, newest first"))
     ls.add_argument("--product-code", default=None)
     ls.add_argument("--limit", type=int, default=50)
     ls.add_argument("--cursor", default=None)
@@ -253,8 +180,8 @@ def register(admin) -> None:
     c = write(price.add_parser("create", help="a new version from --effective-from (default now); the open version "
                                               "in force then is closed there, any other overlap is refused"))
     c.add_argument("--product-code", default=None)
-    c.add_argument("--effective-from", type=_dt, default=None, metavar="ISO-TIME")
-    c.add_argument("--effective-to", type=_dt, default=None, metavar="ISO-TIME")
+    c.add_argument("--effective-from", type=when, default=None, metavar="ISO-TIME")
+    c.add_argument("--effective-to", type=when, default=None, metavar="ISO-TIME")
     rules = c.add_mutually_exclusive_group(required=True)
     rules.add_argument("--rules", help='JSON: {"models": {MODEL: {FIELD: VALUE}}}; fields left out keep the '
                                        "version it follows")

@@ -1,44 +1,17 @@
 """`aivedio admin review list|show|resolve`: tasks in MANUAL_REVIEW and their exits
-(aivedio.attempts.review). list and show need review.read; resolve needs review.resolve and is
-audited with its reason. With --json each prints one JSON document; a refusal prints
-{"error": CODE, "message", "details"} and exits 1, having written nothing."""
+(aivedio.attempts.review). A resolution is audited with its reason."""
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from typing import Any, Callable
 from uuid import UUID
 
-from aivedio.errors import DomainError
-
-
-def _run(args: argparse.Namespace, fn: Callable[[Any], dict], human: Callable[[dict], str]) -> int:
-    from aivedio_tools.cli import _platform
-
-    platform = _platform(args)
-    try:
-        doc = fn(platform)
-    except DomainError as e:
-        if args.json:
-            sys.stdout.write(json.dumps({"error": e.code, "message": e.message, "details": e.details}, default=str,
-                                        sort_keys=True) + "\n")
-        else:
-            sys.stderr.write(f"aivedio: {e.code}: {e.message}\n")
-        return 1
-    finally:
-        platform.close()
-    sys.stdout.write(json.dumps(doc, default=str, sort_keys=True) + "\n" if args.json else human(doc))
-    return 0
+from aivedio.attempts import review
+from aivedio_tools.cli.common import add_common, operator, run
 
 
 def _list(args: argparse.Namespace) -> int:
-    from aivedio.attempts import review
-    from aivedio_tools.cli.admin_billing import _operator
-
-    def fn(platform) -> dict:
-        with platform.db.connection() as conn:
-            return review.list_reviews(conn, operator=_operator(args), tenant_id=args.tenant_id, limit=args.limit)
+    def fn(platform, conn) -> dict:
+        return review.list_reviews(conn, operator=operator(args), tenant_id=args.tenant_id, limit=args.limit)
 
     def human(doc: dict) -> str:
         lines = [f"{'task_id':<36}  {'reason':<26}  {'since':<25}  {'provider':<12}  job / last lookup"]
@@ -49,16 +22,12 @@ def _list(args: argparse.Namespace) -> int:
         lines.append(f"{doc['count']} shown, {doc['open']} in review")
         return "\n".join(lines) + "\n"
 
-    return _run(args, fn, human)
+    return run(args, fn, human=human)
 
 
 def _show(args: argparse.Namespace) -> int:
-    from aivedio.attempts import review
-    from aivedio_tools.cli.admin_billing import _operator
-
-    def fn(platform) -> dict:
-        with platform.db.connection() as conn:
-            return review.show(conn, operator=_operator(args), task_id=args.task_id, tenant_id=args.tenant_id)
+    def fn(platform, conn) -> dict:
+        return review.show(conn, operator=operator(args), task_id=args.task_id, tenant_id=args.tenant_id)
 
     def human(doc: dict) -> str:
         t = doc["task"]
@@ -77,15 +46,12 @@ def _show(args: argparse.Namespace) -> int:
             lines.append(f"  {a['created_at']} {a['operator']} {a['action']}: {a['reason'] or ''}")
         return "\n".join(line for line in lines if line) + "\n"
 
-    return _run(args, fn, human)
+    return run(args, fn, human=human)
 
 
 def _resolve(args: argparse.Namespace) -> int:
-    from aivedio.attempts import review
-    from aivedio_tools.cli.admin_billing import _operator
-
-    def fn(platform) -> dict:
-        return review.resolve(platform, operator=_operator(args), task_id=args.task_id, action=args.action, reason=args.reason,
+    def fn(platform, _) -> dict:
+        return review.resolve(platform, operator=operator(args), task_id=args.task_id, action=args.action, reason=args.reason,
                               provider_job_id=args.provider_job_id, confirm_absent=args.confirm_absent,
                               tenant_id=args.tenant_id)
 
@@ -95,28 +61,25 @@ def _resolve(args: argparse.Namespace) -> int:
                 + (f" ({doc['proof']})" if doc.get("proof") else "")
                 + (f"; kept as orphans: {', '.join(doc['orphans'])}" if doc.get("orphans") else "") + "\n")
 
-    return _run(args, fn, human)
+    return run(args, fn, transaction=False, human=human)
 
 
 def register(admin) -> None:
-    from aivedio.attempts.review import ACTIONS
-    from aivedio_tools.cli.admin_billing import _common
-
-    review = admin.add_parser("review", help="tasks in MANUAL_REVIEW: list, show, resolve").add_subparsers(
+    group = admin.add_parser("review", help="tasks in MANUAL_REVIEW: list, show, resolve").add_subparsers(
         dest="review_command", required=True)
-    ls = _common(review.add_parser("list", help="tasks in MANUAL_REVIEW, oldest first (needs review.read)"))
+    ls = add_common(group.add_parser("list", help="tasks in MANUAL_REVIEW, oldest first"))
     ls.add_argument("--tenant-id", type=UUID, default=None)
     ls.add_argument("--limit", type=int, default=100)
     ls.set_defaults(fn=_list)
-    sh = _common(review.add_parser("show", help="one task's review: reason, attempts, what it holds, audit (review.read)"))
+    sh = add_common(group.add_parser("show", help="one task's review: reason, attempts, what it holds, audit"))
     sh.add_argument("--task-id", required=True, type=UUID)
     sh.add_argument("--tenant-id", type=UUID, default=None)
     sh.set_defaults(fn=_show)
-    rs = _common(review.add_parser("resolve", help="adopt the job, requeue (absence proven or confirmed), or fail the task "
-                                                   "(needs review.resolve; audited)"))
+    rs = add_common(group.add_parser("resolve", help="adopt the job, requeue (absence proven or confirmed), or fail the "
+                                                     "task (audited)"))
     rs.add_argument("--task-id", required=True, type=UUID)
     rs.add_argument("--tenant-id", type=UUID, default=None)
-    rs.add_argument("--action", required=True, choices=ACTIONS)
+    rs.add_argument("--action", required=True, choices=review.ACTIONS)
     rs.add_argument("--provider-job-id", default=None, help="adopt: the provider's job id")
     rs.add_argument("--reason", required=True, help="why, for the audit log")
     rs.add_argument("--confirm-absent", action="store_true",

@@ -7,12 +7,12 @@ import argparse
 import os
 
 from aivedio_tools.bench.rounds import DEFAULT_ROUNDS
+from aivedio_tools.cli.common import emit
 
 
 def _bench(args: argparse.Namespace) -> int:
     from aivedio_tools.bench.admission import bench_admission
     from aivedio_tools.bench.scheduler import bench_scheduler
-    from aivedio_tools.cli import _emit
     from aivedio.config import ConfigError, settings_from_env
     from aivedio.context import resolve_urls
     from aivedio_tools.local.embedded import with_embedded_servers
@@ -46,7 +46,7 @@ def _bench(args: argparse.Namespace) -> int:
     from aivedio_tools.bench.summary import summarise
 
     report["summary"] = summarise(report)  # every figure with a target, beside it
-    _emit(report, args.json)
+    emit(report, args.json)
     return 0
 
 

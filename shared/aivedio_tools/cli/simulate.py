@@ -10,6 +10,7 @@ import logging
 import sys
 
 from aivedio_tools.simulate.scenarios import SCENARIOS
+from aivedio_tools.cli.common import emit
 
 
 def _param(s: str) -> tuple[str, object]:
@@ -23,7 +24,6 @@ def _param(s: str) -> tuple[str, object]:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from aivedio_tools.cli import _emit
     from aivedio.config import settings_from_env
     from aivedio.context import resolve_urls
     from aivedio_tools.local.embedded import with_embedded_servers
@@ -38,7 +38,7 @@ def _simulate(args: argparse.Namespace) -> int:
     doc = run_scenario(args.scenario, admin_url=db_url, redis_url=redis_url, policies=policies, params=dict(args.param or []),
                        parallel=not args.serial, quiet=not args.verbose)
     if args.json:
-        _emit(doc, True)
+        emit(doc, True)
     else:
         _summary(doc)
     if args.check and not all(t["met"] for t in doc["targets"] if t["met"] is not None):
