@@ -23,7 +23,7 @@ from infra_cdk.functions import AppFunction
 from infra_cdk.nag import suppress
 from infra_cdk.stages import StageConfig
 
-ADMIN_PATH_ROOTS = ("admin", "dashboard")  # aivedio_tools.local.runtime.ADMIN_API_PREFIXES, without the slash
+ADMIN_PATH_ROOTS = ("admin", "dashboard")  # aivedio_tools.local.handlers.ADMIN_API_PREFIXES, without the slash
 
 
 class AdminApi(Construct):

@@ -11,7 +11,6 @@ from decimal import Decimal
 
 import psycopg
 
-from aivedio.policy import roles as rbac
 from aivedio.admin.tenants import create_tenant
 from aivedio.billing.lots import grant_credits
 from aivedio.billing.ledger import ledger_aggregate, lock_wallet
@@ -24,6 +23,7 @@ T0 = datetime(2026, 6, 24, 8, 0, 0, tzinfo=timezone.utc)
 MODEL = "video-model-x"
 PARAMS = {"model": MODEL, "mode": "text_to_video", "resolution": "720p", "with_audio": False, "duration_seconds": 5}
 PRICE = 70  # 5 s at 720p under the default rules
+# Operators by name, as the audit log and the money controls (another operator approves) know them.
 ADMIN, SUPPORT, APPROVER_1, APPROVER_2, NOBODY = "op:admin", "op:support", "op:approver-1", "op:approver-2", "op:nobody"
 
 
@@ -116,14 +116,6 @@ def terminal(task_id, tenant_id=None, *, state: str = "SUCCEEDED", stage: str = 
 EVENT_TYPE = {"SUCCEEDED": "TaskSucceeded", "FAILED": "TaskFailed", "CANCELLED": "TaskCancelled"}
 
 
-def grant_roles(conn: psycopg.Connection) -> None:
-    """The test operators: an admin, a support agent, two finance approvers, and one with no role."""
-    rbac.grant(conn, operator=ADMIN, grantee=ADMIN, role="BILLING_ADMIN")
-    rbac.grant(conn, operator=ADMIN, grantee=SUPPORT, role="SUPPORT")
-    rbac.grant(conn, operator=ADMIN, grantee=APPROVER_1, role="FINANCE_APPROVER")
-    rbac.grant(conn, operator=ADMIN, grantee=APPROVER_2, role="FINANCE_APPROVER")
-
-
 # --- invariants ----------------------------------------------------------------------------------------
 
 def unbalanced_transactions(conn: psycopg.Connection, wallet_id) -> int:
@@ -177,8 +169,8 @@ def footprint(conn: psycopg.Connection, tenant_id, wallet_id) -> dict:
 
 
 class Cli:
-    """aivedio_tools.cli.main, callable more than once in one process (main() registers its extensions on
-    every call, and argparse refuses a sub-command registered twice)."""
+    """The `aivedio` command line in this process, as a user types it (aivedio_tools.cli.main builds
+    its parser anew on each call). `monkeypatch` is kept for the tests that set the environment."""
 
     def __init__(self, monkeypatch):
         from aivedio_tools import cli
@@ -186,5 +178,4 @@ class Cli:
         self.cli, self.monkeypatch = cli, monkeypatch
 
     def main(self, argv: list[str]) -> int:
-        self.monkeypatch.setattr(self.cli, "_EXTENSIONS", [])
         return self.cli.main(argv)

@@ -23,11 +23,11 @@ from aivedio.config import (Limits, MaintenanceService, ManualClock, MediaConfig
 from aivedio_tools.provider_sim import SimulatorServer
 from aivedio.providers.webhooks import sign_webhook
 from tests.admission_support import clear_cache, new_tenant
-from tests.billing_support import ADMIN, grant_roles
+from tests.billing_support import ADMIN
 from tests.scheduler_support import UNCAPPED, claim_first, submit
 
 SECRET = "whsec_c2ltdWxhdG9yLXNlY3JldA=="
-OPERATOR, AUDITOR = "op:operator", "op:auditor"
+OPERATOR = "op:operator"
 DROPPED_SEND = {"accept_then_timeout_rate": 1.0, "accept_then_timeout_mode": "drop"}  # the job exists; its answer is lost
 SAFE_WINDOW = 600  # platform seconds a lookup may keep failing before the workflow hands the task to a person
 
@@ -84,7 +84,6 @@ def review_world(make_platform):
         p = make_platform(cfg, clock=clock)
         with p.db.connection() as conn:
             apply_config(conn, p.config, p.clock)
-        p.db.transaction(_roles)
         w = World(p, sim, clock, port, make_platform)
         made.append(w)
         return w
@@ -92,15 +91,6 @@ def review_world(make_platform):
     yield make
     for w in made:
         w.sim.stop()
-
-
-def _roles(conn) -> None:
-    from aivedio.policy import roles as rbac
-
-    if not conn.execute("select 1 from operator_role where operator = %s", (ADMIN,)).fetchone():
-        grant_roles(conn)
-        rbac.grant(conn, operator=ADMIN, grantee=OPERATOR, role="OPERATOR")
-        rbac.grant(conn, operator=ADMIN, grantee=AUDITOR, role="AUDITOR")
 
 
 def claim(w: World, *, budget: bool = True) -> AttemptRef:

@@ -17,7 +17,7 @@ which the media-jobs reconciler retries with the same output version once its le
 from __future__ import annotations
 
 from aivedio.context import get_platform
-from aivedio.media import batch, pipeline
+from aivedio.media import batch
 from aivedio.observability import logger
 
 RESERVE_SECONDS = 10.0  # left of the timeout when a run stops claiming

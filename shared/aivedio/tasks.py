@@ -1,4 +1,5 @@
-"""The task state machine: a table of legal transitions, and CAS writes on (state, version).
+"""The task state machine: a table of legal transitions, and CAS writes on (state, version); and
+the states of a task's attempts.
 Terminal states never change. MEDIA_INGEST_FAILED is terminal: the media pipeline
 (aivedio.media.pipeline) retries a failed worker within the output version's own budget
 (media_job.tries) while the task stays MEDIA_PROCESSING, and ends the task there only once that is
@@ -16,6 +17,12 @@ STATES = (
     "MEDIA_INGEST_FAILED", "MANUAL_REVIEW",
 )
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "MEDIA_INGEST_FAILED"})
+
+# task_attempt.state: an attempt is live (its workflow may still act at the provider) until it
+# reaches one of ATTEMPT_FINAL (aivedio.attempts.lifecycle writes both).
+ATTEMPT_LIVE = ("DISPATCHING", "SUBMITTED", "RUNNING", "SUBMIT_UNKNOWN")
+ATTEMPT_FINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "REJECTED", "NOT_ACCEPTED", "ABSENT_CONFIRMED",
+                           "MANUAL_REVIEW"})
 
 TRANSITIONS: dict[str, frozenset[str]] = {
     "QUEUED": frozenset({"DISPATCHING", "CANCELLED", "FAILED"}),

@@ -98,7 +98,7 @@ def test_the_tenant_api_has_no_admin_routes():
 
 
 def test_the_admin_paths_in_aws_are_the_ones_aivedio_serve_mounts():
-    from aivedio_tools.local.runtime import ADMIN_API_PREFIXES
+    from aivedio_tools.local.handlers import ADMIN_API_PREFIXES
     from infra_cdk.admin_api import ADMIN_PATH_ROOTS
 
     assert {f"/{root}" for root in ADMIN_PATH_ROOTS} == set(ADMIN_API_PREFIXES)

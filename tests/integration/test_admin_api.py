@@ -15,12 +15,12 @@ import pytest
 
 from aivedio import auth, outbox
 from aivedio.admin import operators
-from aivedio.policy import roles as rbac
+from aivedio.policy import roles
 from aivedio_tools.local.apigw import to_event
 from aivedio_tools.local.lambda_context import FakeLambdaContext
 from tests.admission_support import new_tenant
 
-ROLES = rbac.OPERATOR_ROLES
+ROLES = roles.ROLES
 
 
 def call(method: str, path: str, token: str | None = None, body=None, query: dict | None = None,
@@ -145,7 +145,7 @@ def test_every_admin_route_declares_a_known_permission_or_is_public():
         perm = getattr(r.func, "admin_permission", None)
         assert public != bool(perm), f"{r.method} {r.rule.pattern}: exactly one of @requires or @public"
         if perm:
-            assert perm in rbac.NEW_ROLE_PERMISSIONS["admin"], f"{r.method} {r.rule.pattern}: unknown permission {perm}"
+            assert perm in roles.ALL_PERMISSIONS, f"{r.method} {r.rule.pattern}: unknown permission {perm}"
         else:  # the sign-in and the document describing the API, nothing that reads or changes data
             assert r.rule.match("/admin/v1/openapi.json") or r.rule.pattern.startswith("^/dashboard"), r.rule.pattern
 
@@ -178,7 +178,7 @@ def test_each_role_gets_403_exactly_where_it_lacks_the_permission_and_is_audited
             op = ops[role]
             body = {} if r.method in ("POST", "PUT", "PATCH") else None
             status, doc = call(r.method, path, token=op.token, body=body)
-            may = rbac.allowed(role, perm)
+            may = roles.allowed(role, perm)
             checked += 1
             if may:
                 # Neither the gate nor the core's own check refuses a role that holds the permission.
@@ -196,7 +196,7 @@ def test_each_role_gets_403_exactly_where_it_lacks_the_permission_and_is_audited
             tenant_denials += bool(named)
     assert checked == 4 * len(routes) and denied > 0 and tenant_denials > 0
     print(f"role matrix: {len(routes)} routes x {len(ROLES)} roles, {denied} denials, {tenant_denials} on a tenant's path")
-    assert all(rbac.allowed("admin", r.func.admin_permission) for r in routes)
+    assert all(roles.allowed("admin", r.func.admin_permission) for r in routes)
 
 
 # --- tenants, users, keys ------------------------------------------------------------------------------

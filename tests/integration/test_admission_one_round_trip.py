@@ -22,6 +22,7 @@ import uuid
 import psycopg
 import pytest
 
+from aivedio import caching
 from aivedio.scheduling import queue_stats
 from aivedio.admission import rate_limits
 from aivedio.admission.models import GenerationRequest
@@ -73,7 +74,7 @@ def long_caches(monkeypatch):
     from aivedio.admission import service
 
     monkeypatch.setattr(service, "POLICY_CACHE_SECONDS", 600.0)
-    monkeypatch.setattr(queue_stats, "CACHE_SECONDS", 600.0)
+    monkeypatch.setattr(caching, "CACHE_SECONDS", 600.0)
 
 
 def test_an_admission_is_one_statement_in_one_round_trip_and_one_redis_call(make_platform, conn, long_caches):

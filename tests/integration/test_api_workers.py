@@ -104,7 +104,7 @@ def test_two_api_workers_serve_one_port_and_ctrl_c_stops_all(tmp_path, db_url, r
         with ThreadPoolExecutor(8) as pool:
             pids = {int(p) for p in pool.map(health, range(40))}
         assert len(pids) == 2 and proc.pid not in pids and pids <= set(workers), (pids, workers)
-        # The admin API shares the port in every worker (aivedio_tools.local.runtime.api_server).
+        # The admin API shares the port in every worker (aivedio_tools.local.handlers.api_server).
         with httpx.Client(base_url=url, timeout=10) as c:
             r = c.get("/admin/v1/openapi.json")
             assert r.status_code == 200 and int(r.headers["X-Aivedio-Worker"]) in pids, r.text

@@ -16,7 +16,6 @@ import pytest
 from psycopg.rows import dict_row
 
 from aivedio import audit
-from aivedio.policy import roles as rbac
 from aivedio.audit import list_audit, verify
 from aivedio.admin.operators import create_operator
 from aivedio.db.migrate import migrate
@@ -38,9 +37,9 @@ def _connect(url: str, **kw) -> psycopg.Connection:
 def _write(url: str, n: int, *, prefix: str = "w") -> list[int]:
     with _connect(url) as c:
         for i in range(n):
-            rbac.audit(c, operator=f"{prefix}-op", action="test.write", target=f"{prefix}:{i}", tenant_id=uuid.uuid4(),
-                       old={"i": i, "nested": {"b": 1, "a": [1, 2]}}, new={"i": i + 1, "s": "é ✓"}, reason=f"r{i}",
-                       policy_version=i)
+            audit.append(c, operator=f"{prefix}-op", action="test.write", target=f"{prefix}:{i}", tenant_id=uuid.uuid4(),
+                         old={"i": i, "nested": {"b": 1, "a": [1, 2]}}, new={"i": i + 1, "s": "é ✓"}, reason=f"r{i}",
+                         policy_version=i)
             c.commit()
         return [r["audit_id"] for r in c.execute("select audit_id from audit_log where operator = %s order by audit_id",
                                                  (f"{prefix}-op",)).fetchall()]
@@ -101,7 +100,7 @@ def test_concurrent_writers_on_many_connections_make_one_chain(fresh_url):
             with _connect(fresh_url) as c:
                 for i in range(25):
                     for j in range(1 + i % 3):  # one to three rows per transaction
-                        rbac.audit(c, operator=f"t{k}", action="test.concurrent", target=f"{k}:{i}:{j}", new={"k": k})
+                        audit.append(c, operator=f"t{k}", action="test.concurrent", target=f"{k}:{i}:{j}", new={"k": k})
                     if i % 7 == 6:
                         c.rollback()  # a transaction that never commits leaves no link
                     else:

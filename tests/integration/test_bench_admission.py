@@ -26,13 +26,13 @@ def _is_spread(s: dict, rounds: int) -> None:
 
 
 def test_the_admission_section(redis_url, monkeypatch):
-    from aivedio.scheduling import queue_stats
+    from aivedio import caching
     from aivedio.admission import service
 
     # The profile counts the statements of admissions; a per-process cache expiring among its 20 (a
     # loaded machine, the ANALYZE before them) would add its reload's. Long TTLs here: exact counts.
     monkeypatch.setattr(service, "POLICY_CACHE_SECONDS", 600.0)
-    monkeypatch.setattr(queue_stats, "CACHE_SECONDS", 600.0)
+    monkeypatch.setattr(caching, "CACHE_SECONDS", 600.0)
     # The leftover check compares every scratch database of this benchmark: runs of this test on
     # parallel workers must not overlap (each holds this advisory lock for its whole run).
     with psycopg.connect(admin_url(), autocommit=True) as lock:

@@ -9,7 +9,9 @@ import pytest
 import redis
 
 from aivedio_tools.bench.latency import pair_freed_slots, queue_was_deep
-from aivedio_tools.bench.scheduler import DATABASE_PREFIX, REDIS_PREFIX, bench_claims, bench_pick_cost, bench_queue_depth
+from aivedio_tools.bench.scheduler import bench_claims, bench_pick_cost, bench_queue_depth
+from aivedio_tools.bench.scratch import SCHEDULER_DATABASE_PREFIX as DATABASE_PREFIX
+from aivedio_tools.bench.scratch import SCHEDULER_REDIS_PREFIX as REDIS_PREFIX
 from tests.conftest import admin_url
 
 # The leftover check compares every scratch database of these benchmarks, so the tests must not

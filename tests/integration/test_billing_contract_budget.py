@@ -24,14 +24,13 @@ from aivedio.admission.decisions import Rejected
 from aivedio.admission.models import GenerationRequest
 from aivedio.admission.service import admit
 from aivedio.billing.contract_budgets import accrued_from_facts, set_contract_budget
-from aivedio.billing.errors import PermissionDenied
 from aivedio.billing.ledger import lock_wallet
 from aivedio.billing.refunds import request_refund
 from aivedio.billing.reservations import InsufficientCredit, lock_reservation, top_up
 from aivedio.billing.settlement import settle
 from aivedio.config import ManualClock
 from tests.admission_support import BODY, new_tenant
-from tests.billing_support import (ADMIN, NOBODY, PRICE, SUPPORT, Cli, assert_invariants, footprint, grant_roles, make_task,
+from tests.billing_support import (ADMIN, PRICE, SUPPORT, Cli, assert_invariants, footprint, make_task,
                                    new_wallet, price_version, terminal)
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,7 +47,6 @@ def clock():
 @pytest.fixture
 def p(make_platform, clock):
     platform = make_platform(clock=clock, pool_size=4)
-    platform.db.transaction(grant_roles)
     return platform
 
 
@@ -183,7 +181,7 @@ def test_without_a_budget_for_the_period_the_credit_limit_alone_applies(p, conn)
         task(p, w, JULY[0], reserve_amount=1)  # July's budget of 0 refuses everything
 
 
-def test_the_cli_sets_a_budget_under_rbac_and_audit(p, conn, db_url, monkeypatch, capsys):
+def test_the_cli_sets_a_budget_and_audits_it(p, conn, db_url, monkeypatch, capsys):
     monkeypatch.setenv("AIVEDIO_DATABASE_URL", db_url)
     monkeypatch.setenv("AIVEDIO_REDIS_URL", "none")
     cli = Cli(monkeypatch)
@@ -194,12 +192,6 @@ def test_the_cli_sets_a_budget_under_rbac_and_audit(p, conn, db_url, monkeypatch
     def run(*extra, operator=ADMIN):
         code = cli.main([*args, *extra, "--operator", operator])
         return code, json.loads(capsys.readouterr().out)
-
-    before = footprint(conn, w.tenant_id, w.wallet_id)
-    for who in (NOBODY, SUPPORT):  # no role, and a role without this permission
-        code, doc = run("--amount", "500", operator=who)
-        assert (code, doc["error"]) == (1, PermissionDenied.code)
-    assert footprint(conn, w.tenant_id, w.wallet_id) == before
 
     code, doc = run("--amount", "500", "--reason", "contract 2026-Q2")
     assert code == 0 and doc["budget_amount"] == 500 and doc["wallet_id"] == str(w.wallet_id)

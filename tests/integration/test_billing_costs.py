@@ -19,9 +19,8 @@ from decimal import Decimal
 import pytest
 
 from aivedio.spend import costs
-from aivedio.billing.errors import PermissionDenied
 from aivedio.billing.settlement import settle
-from tests.billing_support import ADMIN, NOBODY, T0, Cli, grant_roles, make_attempt, make_task, new_wallet, terminal
+from tests.billing_support import ADMIN, T0, Cli, make_attempt, make_task, new_wallet, terminal
 
 pytestmark = pytest.mark.timeout(120)
 START, END = T0 - timedelta(hours=1), T0 + timedelta(hours=1)
@@ -34,7 +33,6 @@ def world(db_url, redis_url):
     from tests.conftest import TEST_HOME
 
     p = build_platform(Settings(database_url=db_url, redis_url="none", home=TEST_HOME), PlatformConfig(), pool_size=3)
-    p.db.transaction(grant_roles)
     w = new_wallet(p, credits=10_000)
 
     def settle_one(task, attempt, **kw):
@@ -109,5 +107,5 @@ def test_costs_cli(world, db_url, monkeypatch, capsys):
     assert cli.main([*args, "--operator", ADMIN]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert Decimal(doc["currencies"]["USD"]["duplicate_generation_cost_rate"]) == Decimal("0.40")
-    assert cli.main([*args, "--operator", NOBODY]) == 1
-    assert json.loads(capsys.readouterr().out)["error"] == PermissionDenied.code
+    assert cli.main(args) == 0  # the CLI is trusted: as typed, with no --operator
+    assert json.loads(capsys.readouterr().out) == doc

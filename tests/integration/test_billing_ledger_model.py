@@ -43,7 +43,7 @@ from aivedio.billing.settlement import settle_in
 from aivedio.config import ModelPrice, PlatformConfig, Settings
 from aivedio.db.pool import in_transaction
 from aivedio.pricing import price_book
-from tests.billing_support import (EVENT_TYPE, PARAMS, SUPPORT, T0, add_lot, assert_invariants, footprint, grant_roles,
+from tests.billing_support import (EVENT_TYPE, PARAMS, SUPPORT, T0, add_lot, assert_invariants, footprint,
                                    make_task, new_wallet, quote_for, terminal)
 from tests.conftest import TEST_HOME
 
@@ -277,7 +277,6 @@ def machine_ctx(db_url):
     from aivedio.context import build_platform
 
     platform = build_platform(Settings(database_url=db_url, redis_url="none", home=TEST_HOME), PlatformConfig(), pool_size=2)
-    platform.db.transaction(grant_roles)
     with psycopg.connect(db_url, autocommit=True, row_factory=dict_row) as conn:
         Ctx.platform, Ctx.conn = platform, conn
         Ctx.price_version = price_book.ensure_price_book(conn, PlatformConfig(), T0 - timedelta(days=1))

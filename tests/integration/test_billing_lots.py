@@ -28,7 +28,7 @@ from aivedio.billing.reservations import release_remaining
 from aivedio.billing.settlement import settle
 from aivedio.config import ManualClock
 from aivedio.context import set_platform
-from tests.billing_support import ADMIN, T0, add_lot, assert_invariants, footprint, grant_roles, make_task, new_wallet, terminal
+from tests.billing_support import ADMIN, T0, add_lot, assert_invariants, footprint, make_task, new_wallet, terminal
 
 pytestmark = pytest.mark.timeout(120)
 US = timedelta(microseconds=1)
@@ -43,7 +43,6 @@ def clock():
 @pytest.fixture
 def p(make_platform, clock):
     platform = make_platform(redis=False, pool_size=4, clock=clock)
-    platform.db.transaction(grant_roles)
     set_platform(platform)
     yield platform
     set_platform(None)

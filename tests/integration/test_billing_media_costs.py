@@ -23,8 +23,7 @@ import pytest
 
 from aivedio.spend import media_costs
 from aivedio.spend.costs import cost_report
-from aivedio.billing.errors import PermissionDenied
-from tests.billing_support import ADMIN, NOBODY, SUPPORT, T0, Cli, grant_roles, make_task, new_wallet
+from tests.billing_support import ADMIN, T0, Cli, make_task, new_wallet
 
 pytestmark = pytest.mark.timeout(120)
 HEADER = ["identity/LineItemId", "identity/TimeInterval", "lineItem/UsageStartDate", "lineItem/ProductCode",
@@ -47,7 +46,6 @@ def world(db_url, tmp_path_factory):
     from tests.conftest import TEST_HOME
 
     p = build_platform(Settings(database_url=db_url, redis_url="none", home=TEST_HOME), PlatformConfig(), pool_size=3)
-    p.db.transaction(grant_roles)
     a, b = new_wallet(p), new_wallet(p)
     task_a = p.db.transaction(lambda c: make_task(c, a))
     task_b = p.db.transaction(lambda c: make_task(c, b))
@@ -155,8 +153,7 @@ def test_refusals_write_nothing(world, conn, db_url, monkeypatch, capsys, tmp_pa
     broken = tmp_path / "broken.csv.gz"
     broken.write_bytes(b"\x1f\x8b not really gzip")
     before = counts(conn)
-    cases = [(str(path), NOBODY, PermissionDenied.code), (str(path), SUPPORT, PermissionDenied.code),
-             (str(untagged), ADMIN, "VALIDATION_ERROR"), (str(broken), ADMIN, "VALIDATION_ERROR"),
+    cases = [(str(untagged), ADMIN, "VALIDATION_ERROR"), (str(broken), ADMIN, "VALIDATION_ERROR"),
              (str(tmp_path / "missing.csv"), ADMIN, "VALIDATION_ERROR")]
     for f, operator, code in cases:
         assert cli.main(["admin", "media-costs", "import", "--file", f, "--json", "--operator", operator]) == 1

@@ -18,13 +18,12 @@ from aivedio.spend import budgets
 from aivedio.scheduling.resources import ensure_platform_pools
 from aivedio.scheduling.scheduler import Scheduler
 from tests.admission_support import clear_cache, new_tenant
-from tests.billing_support import ADMIN, grant_roles
+from tests.billing_support import ADMIN
 from tests.scheduler_support import BODY_1U, UNCAPPED, submit
 
 
 @pytest.fixture
 def p(platform):
-    platform.db.transaction(grant_roles)
     with platform.db.connection() as conn:
         ensure_platform_pools(conn, platform.config)
     return platform

@@ -144,7 +144,7 @@ def generate(api_key: str) -> tuple[int, dict]:
 @pytest.fixture
 def tokens(platform) -> dict[str, str]:
     return {role: platform.db.transaction(lambda c, r=role: operators.create_operator(
-        c, actor="test", name=f"{r}-{uuid.uuid4().hex[:6]}", role=r)).token for role in operators.OPERATOR_ROLES}
+        c, actor="test", name=f"{r}-{uuid.uuid4().hex[:6]}", role=r)).token for role in operators.ROLES}
 
 
 def test_lanes_pools_and_accounts_through_the_admin_api(platform, tokens, conn):

@@ -103,7 +103,7 @@ CHILD_CLAIMED = "c = Claimed(AttemptRef(UUID(a['tenant']), UUID(a['task']), UUID
 
 # --- the switches' environment -----------------------------------------------------------------------------
 
-IMPORT_SAFEGUARDS = "from aivedio_tools.chaos import safeguards; print(sorted(safeguards._BROKEN))"
+IMPORT_SAFEGUARDS = "from aivedio.faults import safeguards; print(sorted(safeguards._BROKEN))"
 
 
 def test_a_switch_needs_its_allow_variable_a_known_name_and_no_lambda():

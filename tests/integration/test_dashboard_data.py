@@ -133,7 +133,7 @@ def test_borrowed_work_counts_in_its_own_lane_and_as_lent_by_the_enterprise_lane
 
 def test_an_operators_switch_and_capacity_change_show_at_once(platform):
     from aivedio.admin import capacity
-from aivedio.policy import capacity as policy_capacity
+    from aivedio.policy import capacity as policy_capacity
 
     platform.db.transaction(lambda c: capacity.set_switch(c, platform.config, operator="op:test", open=False,
                                                           reason="maintenance", lane="BEST_EFFORT"))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from aivedio.db.migrate import schema_fingerprint
 from aivedio_tools.local.lambda_context import FakeLambdaContext
-from aivedio_tools.local.runtime import load_handler
+from aivedio_tools.local.handlers import load_handler
 
 EVENT = json.loads((Path(__file__).resolve().parents[2] / "events" / "db_migrate.json").read_text())
 

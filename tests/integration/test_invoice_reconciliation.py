@@ -5,6 +5,7 @@ maintenance run over yesterday and the overlap window, the CLI under RBAC, and t
 late, duplicated and orphan lines."""
 from __future__ import annotations
 
+import getpass
 import json
 import uuid
 from collections import Counter, defaultdict
@@ -14,15 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from aivedio.policy import roles as rbac
-from aivedio.billing.errors import PermissionDenied
 from aivedio.observability import metrics
 from aivedio.config import ManualClock, PlatformConfig, ProviderAccount, ProviderConfig, SimulatorBehaviour
 from aivedio.providers.adapter import HttpProviderAdapter, SubmitRequest
 from aivedio_tools.provider_sim import SimulatorServer
 from aivedio.spend import invoices
 from aivedio.spend.invoice_archive import sha256_hex
-from tests.billing_support import ADMIN, NOBODY, Cli
+from tests.billing_support import Cli
 from tests.invoice_support import (ACCOUNT, D, NOW, SECRET, InvoiceStub, Seeder, at, invoice_costs, items_of, line,
                                    platform_config, provider_config)
 from tests.waiting import wait_for
@@ -52,8 +51,6 @@ def world(make_platform, stub, tmp_path):
         p = make_platform(platform_config(provider_config(name, stub.url, accounts), batch_size=batch_size),
                           clock=ManualClock(now))
         p.settings = p.settings.model_copy(update={"home": tmp_path})
-        with p.db.connection() as c:
-            rbac.grant(c, operator=ADMIN, grantee=ADMIN, role="BILLING_ADMIN")
         return p
     return make
 
@@ -361,7 +358,7 @@ def test_missing_external_after_the_grace_and_a_late_line_resolves_it(world, stu
 
 # --- the command ----------------------------------------------------------------------------------------
 
-def test_the_cli_prints_the_contract_document_under_rbac_and_audit(world, stub, conn, db_url, monkeypatch, capsys, tmp_path):
+def test_the_cli_as_documented_prints_the_contract_document_and_audits_who_ran_it(world, stub, conn, db_url, monkeypatch, capsys, tmp_path):
     p = world("inv-cli")
     a = Seeder(p, "inv-cli").attempt("c", cost="0.25")
     stub.serve(ACCOUNT, D, [line("ln-c", charge="ch-c", job=a.job_id, amount="0.3000")])
@@ -373,9 +370,14 @@ def test_the_cli_prints_the_contract_document_under_rbac_and_audit(world, stub, 
         monkeypatch.setenv(k, v)
     cli = Cli(monkeypatch)
     args = ["reconcile", "invoices", "--provider", "inv-cli", "--date", D.isoformat(), "--json"]
-    assert cli.main([*args, "--operator", NOBODY]) == 1
-    assert json.loads(capsys.readouterr().out)["error"] == PermissionDenied.code
-    assert cli.main([*args, "--operator", ADMIN]) == 0
+    # Without the config serve was given, the provider is unknown: the error says which config it read.
+    monkeypatch.delenv("AIVEDIO_CONFIG")
+    assert cli.main(args) == 1
+    unknown = json.loads(capsys.readouterr().out)
+    assert unknown["error"] == "UNKNOWN_PROVIDER" and "no config file was given" in unknown["message"]
+    assert unknown["details"]["config_file"] is None and "inv-cli" not in unknown["details"]["providers"]
+    monkeypatch.setenv("AIVEDIO_CONFIG", str(cfg))
+    assert cli.main(args) == 0  # as documented: the CLI is trusted, no --operator or role is needed
     out = capsys.readouterr().out
     doc = json.loads(out)
     assert out.count("\n") == 1 and set(doc) == CONTRACT_KEYS
@@ -383,7 +385,8 @@ def test_the_cli_prints_the_contract_document_under_rbac_and_audit(world, stub, 
     assert [i["discrepancy_type"] for i in doc["items"]] == ["AMOUNT_MISMATCH"]
     assert doc["net_drift"] == "0.0500" and doc["gross_drift"] == "0.0500"
     audit = conn.execute("select operator, action, target from audit_log where action = 'invoice.reconcile'").fetchall()
-    assert audit == [{"operator": ADMIN, "action": "invoice.reconcile", "target": f"invoice:inv-cli:{D.isoformat()}"}]
+    assert audit == [{"operator": f"cli:{getpass.getuser()}", "action": "invoice.reconcile",
+                      "target": f"invoice:inv-cli:{D.isoformat()}"}]
     with pytest.raises(SystemExit):  # argparse refuses a date that is not YYYY-MM-DD
         cli.main(["reconcile", "invoices", "--provider", "inv-cli", "--date", "2026-6-4", "--json"])
 

@@ -70,11 +70,11 @@ def import_graph(module: str) -> dict[str, str | None]:
     return seen
 
 
-@pytest.mark.parametrize("name", HANDLERS)
 def _is_tool(module: str) -> bool:
     return module.split(".")[0] == build.TOOLS_PACKAGE
 
 
+@pytest.mark.parametrize("name", HANDLERS)
 def test_no_handler_reaches_the_tools_package(name):
     graph = import_graph(f"functions.{name}.handler")
     reached = {m: parent for m, parent in graph.items() if _is_tool(m)}

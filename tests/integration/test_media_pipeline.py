@@ -507,7 +507,7 @@ def test_a_cancel_during_the_media_step_keeps_the_result(media_platform):
     finally:
         set_platform(None)
     a = one(p, "select * from task_attempt where attempt_id = %s", ref.attempt_id)
-    assert a["state"] in lifecycle.LIVE  # reopened: its workflow asks the provider again
+    assert a["state"] in tasks.ATTEMPT_LIVE  # reopened: its workflow asks the provider again
     # The reopened workflow hears the job finished: the task goes back to the media step, whose slots it keeps.
     assert report(p, ref, first=False).task_state == "MEDIA_PROCESSING"
     assert used(p, "worker:cpu-proxy") == 1

@@ -32,7 +32,7 @@ def cli(db_url, redis_url, prefix):
     return aivedio
 
 
-def test_rebuild_redis_rebuilds_every_ring_from_postgresql_under_rbac_and_audit(make_platform, conn, db_url, redis_url,
+def test_rebuild_redis_rebuilds_every_ring_from_postgresql_and_audits_it(make_platform, conn, db_url, redis_url,
                                                                                  redis_prefix):
     p = make_platform(PlatformConfig(providers=[ProviderConfig(name="sim-a", accounts=[ProviderAccount(account_id="a1")])],
                                      lanes={PAID: LaneConfig(capacity_units=10)}))
@@ -49,12 +49,7 @@ def test_rebuild_redis_rebuilds_every_ring_from_postgresql_under_rbac_and_audit(
     cache.r.set(cache.key("rate", "junk"), "1")
     aivedio = cli(db_url, redis_url, redis_prefix)
 
-    rc, refused = aivedio("rebuild", "redis", "--operator", "someone", "--json")
-    assert rc == 1 and refused["error"] == "PERMISSION_DENIED"
-    assert cache.r.exists(cache.key("rate", "junk"))  # refused: nothing dropped
-
-    assert aivedio("admin", "operator", "grant", "--grantee", "boss", "--role", "BILLING_ADMIN", "--operator", "boss", "--json")[0] == 0
-    assert aivedio("admin", "operator", "grant", "--grantee", "ops", "--role", "OPERATOR", "--operator", "boss", "--json")[0] == 0
+    # The CLI is trusted with the database's credentials: no role, --operator only names who acts.
     rc, done = aivedio("rebuild", "redis", "--operator", "ops", "--json")
     assert rc == 0, done
     assert done["prefix"] == redis_prefix and done["keys_dropped"] >= 3

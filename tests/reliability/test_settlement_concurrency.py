@@ -27,7 +27,7 @@ import pytest
 from aivedio.billing import policies
 from aivedio.billing.refunds import request_refund
 from aivedio.config import ModelPrice, PlatformConfig, Settings
-from tests.billing_support import (EVENT_TYPE, PARAMS, SUPPORT, T0, assert_invariants, grant_roles, make_attempt, make_task,
+from tests.billing_support import (EVENT_TYPE, PARAMS, SUPPORT, T0, assert_invariants, make_attempt, make_task,
                                    new_wallet, quote_for, terminal)
 from tests.conftest import TEST_HOME
 
@@ -83,7 +83,6 @@ def platform(db_url):
     from aivedio.context import build_platform
 
     p = build_platform(Settings(database_url=db_url, redis_url="none", home=TEST_HOME), PlatformConfig(), pool_size=4)
-    p.db.transaction(grant_roles)
     yield p
     p.close()
 

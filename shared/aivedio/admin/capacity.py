@@ -29,7 +29,7 @@ from psycopg.types.json import Jsonb
 from aivedio import audit
 from aivedio.config import LANES, PlatformConfig
 from aivedio.errors import InvalidRequest
-from aivedio.policy.capacity import (LANE_FIELDS, SELECT_OVERRIDE, Overrides, account_limit_of, account_override_key,
+from aivedio.policy.capacity import (SELECT_OVERRIDE, Overrides, account_limit_of, account_override_key,
                                      apply_overrides, effective_config, invalidate, load_overrides, overrides, switch_name,
                                      switch_state)
 from aivedio.policy.tenant_policy import POLICY_SET_LOCK

@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from datetime import datetime
-from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
@@ -20,16 +19,15 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from aivedio import outbox, tasks
-from aivedio.spend import budgets
 from aivedio.faults import safeguards
+from aivedio.media import pipeline
 from aivedio.metrics_catalog import ATTEMPTS_REQUEUED, REVIEW_ADOPTED, STALE_WRITES_REFUSED, TASKS_FINISHED
 from aivedio.observability import logger, publish
 from aivedio.providers.adapter import ProviderJob
 from aivedio.scheduling.resources import release_attempt
-
-# task_attempt.state values. An attempt is live until it reaches one of FINAL.
-LIVE = ("DISPATCHING", "SUBMITTED", "RUNNING", "SUBMIT_UNKNOWN")
-FINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "REJECTED", "NOT_ACCEPTED", "ABSENT_CONFIRMED", "MANUAL_REVIEW"})
+from aivedio.spend import budgets
+from aivedio.tasks import ATTEMPT_LIVE
+from aivedio.terminal_events import provider_charged, provider_report, write_terminal_event
 
 # Progress a provider status proves; a late or reordered report never moves a task backwards.
 _RANK = {"DISPATCHING": 0, "SUBMIT_UNKNOWN": 0, "SUBMITTED": 1, "RUNNING": 2}
@@ -85,11 +83,11 @@ def load(conn: psycopg.Connection, ref: AttemptRef, *, lock: bool) -> Loaded | N
 def renew_lease(conn: psycopg.Connection, ref: AttemptRef, now: datetime, lease_until: datetime) -> bool:
     """The running workflow's heartbeat: the lease scanner leaves a leased attempt alone. Fenced like
     every write: only a live attempt is renewed (replacing or finishing an attempt moves it out of
-    LIVE in the same transaction), so a worker that wakes after its attempt was replaced renews
+    ATTEMPT_LIVE in the same transaction), so a worker that wakes after its attempt was replaced renews
     nothing. True when renewed."""
     renewed = conn.execute(
         "update task_attempt set lease_until = %s, updated_at = %s where attempt_id = %s and fencing_token = %s and state = any(%s)",
-        (lease_until, now, ref.attempt_id, ref.fencing_token, list(LIVE))).rowcount
+        (lease_until, now, ref.attempt_id, ref.fencing_token, list(ATTEMPT_LIVE))).rowcount
     if renewed:
         conn.execute("update resource_reservation set lease_until = %s where attempt_id = %s and state = 'ACTIVE'",
                      (lease_until, ref.attempt_id))
@@ -132,44 +130,6 @@ def record_orphan(conn: psycopg.Connection, provider: str, job_id: str, account:
 
 # --- terminal outcomes --------------------------------------------------------------------------------
 
-TERMINAL_EVENT = {"SUCCEEDED": "TaskSucceeded", "FAILED": "TaskFailed", "CANCELLED": "TaskCancelled",
-                  "MEDIA_INGEST_FAILED": "TaskMediaIngestFailed"}
-
-
-def _usage(job: ProviderJob | None) -> dict | None:
-    if job is None or job.usage is None:
-        return None
-    return {"seconds": str(job.usage.seconds), "cost_amount": str(job.usage.cost_amount), "currency": job.usage.currency}
-
-
-def provider_charged(job: ProviderJob | None) -> bool:
-    return job is not None and (job.charge_id is not None or (job.usage is not None and job.usage.cost_amount > Decimal(0)))
-
-
-def provider_report(attempt: dict, job: ProviderJob | None) -> dict[str, Any]:
-    """What the terminal event says of the provider's side: its job, its charge and its usage. The
-    media pipeline keeps it on the media job (media_job.provider_report) for the event it writes
-    when the media step ends the task."""
-    return {"provider": attempt["provider"], "provider_account": attempt["provider_account"],
-            "provider_job_id": job.id if job is not None else attempt["provider_job_id"],
-            "charge_id": job.charge_id if job is not None else None,
-            "provider_charged": provider_charged(job), "usage": _usage(job)}
-
-
-def write_terminal_event(conn: psycopg.Connection, task: dict, attempt_id: UUID, to_state: str, *, stage: str,
-                         report: dict[str, Any], error_code: str | None, now: datetime) -> None:
-    """The task's one terminal event (TERMINAL_EVENT), which settlement consumes."""
-    outbox.write_event(conn, TERMINAL_EVENT[to_state], aggregate_type="generation_task", aggregate_id=task["task_id"],
-                       tenant_id=task["tenant_id"], payload={
-                           "task_id": str(task["task_id"]), "tenant_id": str(task["tenant_id"]),
-                           "attempt_id": str(attempt_id), "state": to_state, "stage": stage,
-                           "provider": report.get("provider"), "provider_account": report.get("provider_account"),
-                           "provider_job_id": report.get("provider_job_id"), "charge_id": report.get("charge_id"),
-                           "provider_charged": bool(report.get("provider_charged")), "usage": report.get("usage"),
-                           "output_seconds": task["duration_seconds"] if to_state == "SUCCEEDED" else 0,
-                           "error_code": error_code, "finished_at": now.isoformat()})
-
-
 def attempt_outcome(job: ProviderJob | None, *, state: str, stage: str, error_code: str | None = None) -> dict[str, Any]:
     """The attempt's columns once it is final: its state and reason, the provider's last answer, its
     actual cost and whether the provider bills it."""
@@ -191,7 +151,7 @@ def finish(conn: psycopg.Connection, loaded: Loaded, to_state: str, *, stage: st
     """Move the task to a terminal state (through PROVIDER_SUCCEEDED for a success), finish the
     attempt, release its reservations and write the terminal event: all in the caller's
     transaction, so each happens exactly once. (With the media pipeline on, a provider's success
-    does not come here: apply_job hands it to aivedio.media.pipeline.)"""
+    does not come here: apply_job hands it to the media step, _to_media.)"""
     task, attempt = loaded.task, loaded.attempt
     extra: dict[str, Any] = {"finished_at": now}
     if error_code is not None:
@@ -259,7 +219,7 @@ def reopen_for_cancel(conn: psycopg.Connection, task: dict, attempt: dict, now: 
     nothing is left holding reservations with no workflow to finish it. A live attempt is left
     alone: its running workflow reads the new state at its next step. Returns the attempt's new
     state, or None when it was live. Runs under the task's row lock, in the caller's transaction."""
-    if attempt["state"] in LIVE:
+    if attempt["state"] in ATTEMPT_LIVE:
         return None
     if attempt["provider_job_id"] is not None:
         last = attempt["raw_last_response"] if isinstance(attempt["raw_last_response"], dict) else {}
@@ -329,7 +289,7 @@ def apply_job(conn: psycopg.Connection, ref: AttemptRef, job: ProviderJob, *, so
 
     `media` is the platform's MediaConfig (platform.config.media; every caller with a platform
     passes it). With the pipeline enabled a success goes to PROVIDER_SUCCEEDED and a media job
-    (aivedio.media.pipeline.provider_succeeded), not to SUCCEEDED: the outcome is TERMINAL for the
+    (_to_media), not to SUCCEEDED: the outcome is TERMINAL for the
     attempt, whose work is done, with task_state PROVIDER_SUCCEEDED (or where the media step is).
     None, or enabled = false: the old path, the provider's success is the task's."""
     loaded = load(conn, ref, lock=True)
@@ -364,10 +324,8 @@ def apply_job(conn: psycopg.Connection, ref: AttemptRef, job: ProviderJob, *, so
     cancelling = task["state"] == "CANCEL_REQUESTED"
     if job.status == "succeeded":
         if media is not None and media.enabled:
-            from aivedio.media import pipeline  # it builds on this module
-
             if job.output_url or source != "submit":
-                return Applied("TERMINAL", pipeline.provider_succeeded(conn, loaded, job, now=now, media=media))
+                return Applied("TERMINAL", _to_media(conn, loaded, job, now=now, media=media))
             # A submit's answer (a replayed key) names a finished job, not its output: the task goes
             # on as running, and the next poll reads the whole job.
         else:
@@ -399,6 +357,37 @@ def apply_job(conn: psycopg.Connection, ref: AttemptRef, job: ProviderJob, *, so
     extra = {"started_at": task["started_at"] or now} if target == "RUNNING" else {}
     row = move(conn, loaded, target, now, **extra)
     return Applied("APPLIED", row["state"])
+
+
+def _to_media(conn: psycopg.Connection, loaded: Loaded, job: ProviderJob, *, now: datetime, media) -> str:
+    """The provider's success with the pipeline on (apply_job, under the task's row lock): the task
+    to PROVIDER_SUCCEEDED, the attempt finished as the provider's, its reservations released, and
+    the provider's report handed to the media step (pipeline.queue_job). Returns the task's state
+    after it.
+
+    Idempotent: a second report of the same success finds the media job and changes nothing. A
+    cancel that reached the task during the media step reopened the attempt (aivedio.admission.cancel):
+    its workflow's report of the finished job lands here, closes the attempt again and gives the task
+    back to where its media job stands (the provider's job is done, so the cancel keeps its result)."""
+    task, attempt = loaded.task, loaded.attempt
+    ref = AttemptRef(task["tenant_id"], task["task_id"], attempt["attempt_id"], attempt["fencing_token"])
+    existing = pipeline.latest_job(conn, task["task_id"])
+    if existing is not None:
+        if attempt["state"] in ATTEMPT_LIVE:  # reopened for a cancel: final again, its media slots kept
+            set_attempt(conn, ref, now, state="SUCCEEDED", final_reason="PROVIDER_SUCCEEDED", lease_until=None)
+        state = task["state"]
+        if state == "CANCEL_REQUESTED" and existing["state"] in ("PENDING", "RUNNING"):
+            state = move(conn, loaded, "PROVIDER_SUCCEEDED" if existing["state"] == "PENDING" else "MEDIA_PROCESSING",
+                         now)["state"]
+            logger.info("cancel after the provider's success: the media step goes on",
+                        extra={**ref.log(), "media_job_state": existing["state"]})
+        return state
+    if task["state"] not in ("PROVIDER_SUCCEEDED", "MEDIA_PROCESSING"):
+        loaded = Loaded(move(conn, loaded, "PROVIDER_SUCCEEDED", now), attempt, loaded.current)
+    set_attempt(conn, ref, now, **attempt_outcome(job, state="SUCCEEDED", stage="PROVIDER_SUCCEEDED"))
+    released = release_attempt(conn, attempt["attempt_id"], now)
+    return pipeline.queue_job(conn, loaded.task, attempt, report=provider_report(attempt, job),
+                              source_url=job.output_url or "", now=now, media=media, released=len(released))
 
 
 def jitter(seconds: float, spread: float = 0.2) -> float:

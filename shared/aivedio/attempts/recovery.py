@@ -6,7 +6,8 @@ resent, and nothing is released before the provider has been asked."""
 from __future__ import annotations
 
 from aivedio.attempts import executions
-from aivedio.attempts.lifecycle import LIVE, AttemptRef
+from aivedio.attempts.lifecycle import AttemptRef
+from aivedio.tasks import ATTEMPT_LIVE
 from aivedio.attempts.steps import to_manual_review
 from aivedio.faults import safeguards
 from aivedio.metrics_catalog import ATTEMPTS_RECOVERED
@@ -37,7 +38,7 @@ def restart_expired(platform, limit: int = BATCH) -> int:
     take_over = TAKE_OVER.format(expired="" if safeguards.broken("rescuer-state-guard") else EXPIRED)
 
     def tx(conn) -> list[dict]:
-        return conn.execute(take_over, {"until": now + lease, "now": now, "live": list(LIVE), "limit": limit}).fetchall()
+        return conn.execute(take_over, {"until": now + lease, "now": now, "live": list(ATTEMPT_LIVE), "limit": limit}).fetchall()
 
     rows = platform.db.transaction(tx)
     for r in rows:

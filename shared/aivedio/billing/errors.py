@@ -2,7 +2,7 @@
 raised it writes nothing; only the edge (HTTP, CLI) turns the code into a status or an exit code."""
 from __future__ import annotations
 
-from aivedio.errors import Conflict, DomainError, Forbidden, InvalidRequest, NotFound
+from aivedio.errors import Conflict, Forbidden, InvalidRequest, NotFound
 
 
 class RefundExceedsSettled(Conflict):

@@ -1,10 +1,11 @@
 """The media pipeline (issue 17; ch. 18.5.4, 18.13, 18.17.5, 20.7.8): every provider success becomes a
 checked, playable video in the platform's own storage before the task is SUCCEEDED.
 
-1. The provider reports success (lifecycle.apply_job with the pipeline enabled, `[media] enabled`):
-   provider_succeeded() moves the task to PROVIDER_SUCCEEDED, finishes the attempt as the
-   provider's (its slots released, its cost and BILLABLE state on it, as for any success) and writes
-   the task's media_job (output version 1, PENDING), in the same transaction. No terminal event yet.
+1. The provider reports success (aivedio.attempts.lifecycle.apply_job with the pipeline enabled,
+   `[media] enabled`): the attempt side moves the task to PROVIDER_SUCCEEDED and finishes the attempt
+   as the provider's (its slots released, its cost and BILLABLE state on it, as for any success),
+   then hands the provider's report to queue_job(), which writes the task's media_job (output
+   version 1, PENDING), in the same transaction. No terminal event yet.
 2. A dispatcher (the local media loop, aivedio_tools.local.media_dispatch; in AWS media.batch.dispatch) calls
    claim_next(): PENDING jobs whose worker slots fit are reserved through the claim's own machinery
    (resource_reservation rows of the task's attempt on the pool worker:<media class>, a conditional
@@ -46,11 +47,11 @@ from psycopg.types.json import Jsonb
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aivedio import tasks
-from aivedio.attempts import lifecycle
-from aivedio.spend.costs import QUANTUM, MediaCost, record_media_costs
 from aivedio.errors import DomainError
 from aivedio.metrics_catalog import TASKS_FINISHED
 from aivedio.observability import logger, publish
+from aivedio.spend.costs import QUANTUM, MediaCost, record_media_costs
+from aivedio.terminal_events import close_reopened_attempt, write_terminal_event
 from aivedio.scheduling.resources import (ensure_pools, media_pool_key, media_pool_units, preferred_shard, release_attempt,
                                           release_keys, reserve_key, rooms)
 
@@ -218,49 +219,36 @@ def build_spec(platform, job_row: dict, *, outputs: str) -> dict:
 # --- 1. the provider's success ------------------------------------------------------------------------
 
 LATEST_JOB = "select * from media_job where task_id = %s order by output_version desc limit 1 for update"
+INSERT_FIRST_JOB = """
+insert into media_job (task_id, tenant_id, output_version, attempt_id, fencing_token, resource_class, slot_units,
+                       state, tries, max_tries, next_eligible_at, source_url, provider_report, created_at, updated_at)
+values (%(task)s, %(tenant)s, %(version)s, %(attempt)s, nextval('fencing_token_seq'), %(class)s, %(units)s,
+        'PENDING', 0, %(max_tries)s, %(now)s, %(source)s, %(report)s, %(now)s, %(now)s)
+on conflict (task_id, output_version) do nothing
+returning *"""
 
 
-def provider_succeeded(conn: psycopg.Connection, loaded: lifecycle.Loaded, job, *, now: datetime, media) -> str:
-    """The provider's success with the pipeline on (called by lifecycle.apply_job under the task's
-    row lock): the task to PROVIDER_SUCCEEDED, the attempt finished as the provider's, its
-    reservations released, the media job written. Returns the task's state after it.
+def latest_job(conn: psycopg.Connection, task_id) -> dict | None:
+    """The task's newest media job, locked (the caller holds the task's row lock)."""
+    return conn.execute(LATEST_JOB, (task_id,)).fetchone()
 
-    Idempotent: a second report of the same success finds the media job and changes nothing. A
-    cancel that reached the task during the media step reopened the attempt (aivedio.admission.cancel):
-    its workflow's report of the finished job lands here, closes the attempt again and gives the task
-    back to where its media job stands (the provider's job is done, so the cancel keeps its result)."""
-    task, attempt = loaded.task, loaded.attempt
-    ref = lifecycle.AttemptRef(task["tenant_id"], task["task_id"], attempt["attempt_id"], attempt["fencing_token"])
-    existing = conn.execute(LATEST_JOB, (task["task_id"],)).fetchone()
-    if existing is not None:
-        if attempt["state"] in lifecycle.LIVE:  # reopened for a cancel: final again, its media slots kept
-            lifecycle.set_attempt(conn, ref, now, state="SUCCEEDED", final_reason="PROVIDER_SUCCEEDED", lease_until=None)
-        state = task["state"]
-        if state == "CANCEL_REQUESTED" and existing["state"] in ("PENDING", "RUNNING"):
-            state = lifecycle.move(conn, loaded, "PROVIDER_SUCCEEDED" if existing["state"] == "PENDING" else "MEDIA_PROCESSING",
-                                   now)["state"]
-            logger.info("cancel after the provider's success: the media step goes on",
-                        extra={**ref.log(), "media_job_state": existing["state"]})
-        return state
-    if task["state"] not in ("PROVIDER_SUCCEEDED", "MEDIA_PROCESSING"):
-        loaded = lifecycle.Loaded(lifecycle.move(conn, loaded, "PROVIDER_SUCCEEDED", now), attempt, loaded.current)
-    lifecycle.set_attempt(conn, ref, now, **lifecycle.attempt_outcome(job, state="SUCCEEDED", stage="PROVIDER_SUCCEEDED"))
-    released = release_attempt(conn, attempt["attempt_id"], now)
+
+def queue_job(conn: psycopg.Connection, task: dict, attempt: dict, *, report: dict, source_url: str, now: datetime,
+              media, released: int = 0) -> str:
+    """The media step takes over a provider's success (aivedio.attempts.lifecycle hands it here, under
+    the task's row lock, once the task is PROVIDER_SUCCEEDED and the attempt finished): the task's
+    first media job, PENDING, with the provider's report kept on it for the terminal event it will
+    write. A success without an output URL delivers nothing: the task ends MEDIA_INGEST_FAILED at
+    once. Returns the task's state after it."""
     media_class = media_class_of(task)
-    report = lifecycle.provider_report(attempt, job)
-    row = conn.execute(
-        """insert into media_job (task_id, tenant_id, output_version, attempt_id, fencing_token, resource_class, slot_units,
-                                  state, tries, max_tries, next_eligible_at, source_url, provider_report, created_at, updated_at)
-           values (%(task)s, %(tenant)s, %(version)s, %(attempt)s, nextval('fencing_token_seq'), %(class)s, %(units)s,
-                   'PENDING', 0, %(max_tries)s, %(now)s, %(source)s, %(report)s, %(now)s, %(now)s)
-           on conflict (task_id, output_version) do nothing
-           returning *""",
-        {"task": task["task_id"], "tenant": task["tenant_id"], "version": FIRST_VERSION, "attempt": attempt["attempt_id"],
-         "class": media_class, "units": slot_units(media_class, task["resolution"]), "max_tries": media.max_tries,
-         "now": now, "source": job.output_url or "", "report": Jsonb(report)}).fetchone()
+    row = conn.execute(INSERT_FIRST_JOB, {
+        "task": task["task_id"], "tenant": task["tenant_id"], "version": FIRST_VERSION, "attempt": attempt["attempt_id"],
+        "class": media_class, "units": slot_units(media_class, task["resolution"]), "max_tries": media.max_tries,
+        "now": now, "source": source_url, "report": Jsonb(report)}).fetchone()
     logger.info("provider succeeded; media job queued", extra={
-        **ref.log(), "media_class": media_class, "output_version": FIRST_VERSION, "reservations_released": len(released)})
-    if not job.output_url:  # nothing to fetch: the provider's success delivers nothing
+        "tenant_id": str(task["tenant_id"]), "task_id": str(task["task_id"]), "attempt_id": str(attempt["attempt_id"]),
+        "media_class": media_class, "output_version": FIRST_VERSION, "reservations_released": released})
+    if not source_url:  # nothing to fetch: the provider's success delivers nothing
         task = conn.execute("select * from generation_task where task_id = %s", (task["task_id"],)).fetchone()
         _fail(conn, task, row, code=NO_SOURCE, message="the provider reported success without an output URL", now=now)
         return "MEDIA_INGEST_FAILED"
@@ -613,13 +601,10 @@ def _end(conn: psycopg.Connection, task: dict, job: dict, to_state: str, *, stag
     if task["state"] == "CANCEL_REQUESTED":  # the cancel keeps the provider's result: through PROVIDER_SUCCEEDED
         task = _cas(conn, task, "PROVIDER_SUCCEEDED", now)
     _cas(conn, task, to_state, now, **extra)
-    attempt = conn.execute("select * from task_attempt where attempt_id = %s", (job["attempt_id"],)).fetchone()
-    if attempt is not None and attempt["state"] in lifecycle.LIVE:  # reopened for a cancel: final again
-        ref = lifecycle.AttemptRef(attempt["tenant_id"], attempt["task_id"], attempt["attempt_id"], attempt["fencing_token"])
-        lifecycle.set_attempt(conn, ref, now, state="SUCCEEDED", final_reason="PROVIDER_SUCCEEDED", lease_until=None)
+    close_reopened_attempt(conn, job["attempt_id"], now)
     released = release_attempt(conn, job["attempt_id"], now)
-    lifecycle.write_terminal_event(conn, task, job["attempt_id"], to_state, stage=stage, report=job["provider_report"] or {},
-                                   error_code=error_code, now=now)
+    write_terminal_event(conn, task, job["attempt_id"], to_state, stage=stage, report=job["provider_report"] or {},
+                         error_code=error_code, now=now)
     publish(TASKS_FINISHED, state=to_state, stage=stage)
     logger.info("task finished", extra={"tenant_id": str(task["tenant_id"]), "task_id": str(task["task_id"]),
                                         "attempt_id": str(job["attempt_id"]), "state": to_state, "stage": stage,

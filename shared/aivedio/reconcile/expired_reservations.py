@@ -47,7 +47,7 @@ from uuid import UUID
 import psycopg
 
 from aivedio import tasks
-from aivedio.attempts.lifecycle import FINAL
+from aivedio.tasks import ATTEMPT_FINAL
 from aivedio.billing.ledger import lock_wallet
 from aivedio.billing.reservations import release_remaining
 from aivedio.billing.settlement import SETTLEMENT_INPUT_PARKED, TERMINAL_EVENT_TYPES
@@ -61,7 +61,7 @@ DEFAULTS = Defaults(interval_seconds=300.0, batch_size=500, max_batches=20, age_
 
 # Attempt states in which the provider may have (or be running) the job.
 MAY_BE_LIVE = frozenset({"SUBMITTED", "RUNNING", "SUBMIT_UNKNOWN", "MANUAL_REVIEW"})
-RELEASABLE_ATTEMPT = FINAL - {"MANUAL_REVIEW"}
+RELEASABLE_ATTEMPT = ATTEMPT_FINAL - {"MANUAL_REVIEW"}
 RELEASE_REASON = "RELEASED_BY_SCANNER"
 OPEN_CREDIT_STATES = ["ACTIVE", "PARTIALLY_SETTLED"]
 PENDING_REFUND_STATES = ["PENDING_APPROVAL", "PENDING_SETTLEMENT"]

@@ -34,7 +34,9 @@ from decimal import Decimal
 
 from psycopg.types.json import Jsonb
 
-from aivedio.attempts.lifecycle import LIVE, lock_job, provider_charged
+from aivedio.attempts.lifecycle import lock_job
+from aivedio.tasks import ATTEMPT_LIVE
+from aivedio.terminal_events import provider_charged
 from aivedio.attempts.review import ABANDON_JOB
 from aivedio.attempts.steps import absence_proven
 from aivedio.spend.costs import record_provider_cost
@@ -121,7 +123,7 @@ def handle(platform, orphan: dict, now: datetime) -> str:
         return "not_found"
     with platform.db.connection() as conn:
         attempt = conn.execute(ATTEMPT, (orphan["attempt_id"],)).fetchone() if orphan["attempt_id"] else None
-        in_use = conn.execute(MAPPED_CURRENT, (orphan["provider"], job.id, list(LIVE))).fetchone() is not None
+        in_use = conn.execute(MAPPED_CURRENT, (orphan["provider"], job.id, list(ATTEMPT_LIVE))).fetchone() is not None
     unmapped = orphan["reason"] == "UNMAPPED" or attempt is None
     if in_use and not unmapped and orphan["reason"] != "SECOND_JOB_FOR_KEY":
         _resolve(platform, key, now, "IN_USE", job.status, {"job": job.doc})
@@ -143,7 +145,7 @@ def handle(platform, orphan: dict, now: datetime) -> str:
     if unmapped:
         _resolve(platform, key, now, "UNATTRIBUTED", job.status, {"job": job.doc})
         return "unattributed"
-    if orphan["reason"] == "SECOND_JOB_FOR_KEY" and attempt["state"] in LIVE:
+    if orphan["reason"] == "SECOND_JOB_FOR_KEY" and attempt["state"] in ATTEMPT_LIVE:
         _note(platform, key, job)  # its attempt's own cost first
         return "waiting_for_attempt"
     return _record_cost(platform, orphan, attempt, account, job, key, now)

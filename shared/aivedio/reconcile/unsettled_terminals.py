@@ -41,7 +41,7 @@ import psycopg
 
 from aivedio import tasks
 # finish()'s own helpers, so a rebuilt payload cannot drift from a written one
-from aivedio.attempts.lifecycle import TERMINAL_EVENT, _usage, provider_charged
+from aivedio.terminal_events import TERMINAL_EVENT, event_payload, provider_charged, usage_of
 from aivedio.billing.settlement import SETTLEMENT_INPUT_PARKED, TERMINAL_EVENT_TYPES, settle_in
 from aivedio.observability import logger
 from aivedio.providers.adapter import MalformedDocument, parse_job
@@ -117,20 +117,16 @@ def terminal_payload(task: dict, attempt: dict | None) -> tuple[str, dict[str, A
     # the provider's success: its event's stage is the undelivered result's.
     stage = "MEDIA_DELIVERY_FAILED" if state == "MEDIA_INGEST_FAILED" else attempt["final_reason"]
     job = _job_of(attempt)
-    usage = _usage(job)
+    usage = usage_of(job)
     if usage is None and attempt.get("actual_cost_amount") is not None:  # the job document is gone, its cost is not
         usage = {"seconds": None, "cost_amount": str(attempt["actual_cost_amount"]), "currency": attempt["actual_cost_currency"]}
-    return event_type, {
-        "task_id": str(task["task_id"]), "tenant_id": str(task["tenant_id"]), "attempt_id": str(attempt["attempt_id"]),
-        "state": state, "stage": stage, "provider": attempt["provider"],
-        "provider_account": attempt["provider_account"],
-        "provider_job_id": job.id if job is not None else attempt["provider_job_id"],
-        "charge_id": job.charge_id if job is not None else None,
-        "provider_charged": provider_charged(job) or attempt.get("billable_state") == "BILLABLE",
-        "usage": usage,
-        "output_seconds": task["duration_seconds"] if state == "SUCCEEDED" else 0,
-        "error_code": None if state == "SUCCEEDED" else task.get("error_code"),
-        "finished_at": _iso(task["finished_at"])}
+    report = {"provider": attempt["provider"], "provider_account": attempt["provider_account"],
+              "provider_job_id": job.id if job is not None else attempt["provider_job_id"],
+              "charge_id": job.charge_id if job is not None else None,
+              "provider_charged": provider_charged(job) or attempt.get("billable_state") == "BILLABLE", "usage": usage}
+    return event_type, event_payload(task, attempt["attempt_id"], state, stage=stage, report=report,
+                                     error_code=None if state == "SUCCEEDED" else task.get("error_code"),
+                                     finished_at=_iso(task["finished_at"]))
 
 
 def find_unsettled(conn: psycopg.Connection, *, cutoff: datetime, after: UUID = _FIRST, limit: int) -> list[dict]:

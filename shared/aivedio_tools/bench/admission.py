@@ -31,15 +31,12 @@ from psycopg.rows import dict_row
 
 from aivedio_tools.bench.http_load import run_load
 from aivedio_tools.bench.pgbench import with_database
+from aivedio_tools.bench.scratch import OPEN_LIMITS, scratch_database
 from aivedio_tools.bench.workers import get_or_fail, join_or_kill, quiet_children, raise_first_error
 from aivedio.config import PlatformConfig, Settings
 
 DATABASE_PREFIX = "aivedio_bench_adm_"
 BODY = {"model": "video-model-x", "mode": "text_to_video", "prompt": "bench", "duration_seconds": 5, "resolution": "720p"}
-# Tenants whose limits never bind, so the benchmark measures the admission path, not its rejections.
-OPEN_LIMITS = dict(max_queued_tasks=1_000_000, max_queued_units=10_000_000, max_cost_per_minute=10**12, max_cost_per_day=10**12,
-                   max_user_queued_tasks=1_000_000, max_user_queued_units=10_000_000, user_submit_rate_per_minute=10**7,
-                   tenant_submit_rate_per_minute=10**7, max_wait_seconds=10**6)
 CREDITS = 10**12
 BENCH_PRICE = 70  # BODY's price under the default price book
 HOT_CHUNK_TASKS = 64  # a slot's refill: credit for this many tasks
@@ -51,23 +48,6 @@ HOT_TABLES = ("wallet_account", "credit_lot", "tenant_cost_window", "task_queue_
               "wallet_allowance")
 TARGETS = {"in_process_ratio_vs_pgbench": 0.3, "http_ratio_vs_pgbench": 0.2, "half_load_p99_ms": 15.0,
            "pg_cpu_ratio_max": 2.5, "hot_wallet_ratio_to_spread": 0.8}
-
-
-@contextmanager
-def scratch_database(admin_url: str, prefix: str = "aivedio_bench_"):
-    """A migrated database of its own, dropped afterwards (the scheduler and settlement benches too)."""
-    from aivedio.db.migrate import migrate
-
-    name = f"{prefix}{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin_url, autocommit=True) as c:
-        c.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
-    url = with_database(admin_url, name)
-    try:
-        migrate(url)
-        yield url
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as c:
-            c.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name)))
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ from collections import deque
 from contextlib import contextmanager
 from datetime import datetime
 
-from aivedio_tools.bench.admission import OPEN_LIMITS, scratch_database
-from aivedio_tools.bench.scheduler import CAP, DATABASE_PREFIX, REDIS_PREFIX, _pct
+from aivedio_tools.bench.scratch import (CAP, OPEN_LIMITS, SCHEDULER_DATABASE_PREFIX, SCHEDULER_REDIS_PREFIX, percentile,
+                                         scratch_database)
 from aivedio_tools.bench.workers import get_or_fail, join_or_kill, raise_first_error
 from aivedio.config import (LaneConfig, Limits, PlatformConfig, Pools, ProviderAccount, ProviderConfig, Settings,
                             SimulatorBehaviour)
@@ -135,7 +135,7 @@ def summary(ms: list[float]) -> dict:
     """p50 and p99 (nearest rank) in milliseconds, with the sample count."""
     if not ms:
         return {"samples": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
-    return {"samples": len(ms), "p50_ms": round(_pct(ms, 0.50), 1), "p99_ms": round(_pct(ms, 0.99), 1),
+    return {"samples": len(ms), "p50_ms": round(percentile(ms, 0.50), 1), "p99_ms": round(percentile(ms, 0.99), 1),
             "max_ms": round(max(ms), 1)}
 
 
@@ -205,8 +205,8 @@ def _stages(conn, accepted: list[tuple[str, float]], created: dict[str, float]) 
     out = {}
     for name in STAGES:
         ms = [(r[name].timestamp() - at[r["task_id"]]) * 1000 for r in rows if r[name] is not None]
-        out[name] = round(_pct(ms, 0.5), 1) if ms else None
-    out["provider_created"] = round(_pct([(created[t] - at[t]) * 1000 for t in created], 0.5), 1) if created else None
+        out[name] = round(percentile(ms, 0.5), 1) if ms else None
+    out["provider_created"] = round(percentile([(created[t] - at[t]) * 1000 for t in created], 0.5), 1) if created else None
     return out
 
 
@@ -248,8 +248,8 @@ def bench_latency(admin_url: str, redis_url: str | None, *, seconds: float = 10.
     seconds = min(seconds, 20.0)
     window = seconds / 2
     config = latency_config(bound_slots=bound_slots)
-    prefix = f"{REDIS_PREFIX}{uuid.uuid4().hex[:6]}"
-    with scratch_database(admin_url, prefix=DATABASE_PREFIX) as db_url:
+    prefix = f"{SCHEDULER_REDIS_PREFIX}{uuid.uuid4().hex[:6]}"
+    with scratch_database(admin_url, prefix=SCHEDULER_DATABASE_PREFIX) as db_url:
         settings = Settings(database_url=db_url, redis_url=redis_url or "none", redis_prefix=prefix)
         p = build_platform(settings, config, pool_size=16)
         try:

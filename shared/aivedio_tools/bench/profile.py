@@ -18,6 +18,7 @@ import uuid
 from contextlib import contextmanager
 
 import psycopg
+from aivedio_tools.bench.scratch import OPEN_LIMITS
 
 BODY = {"model": "video-model-x", "mode": "text_to_video", "prompt": "bench", "duration_seconds": 5, "resolution": "720p"}
 
@@ -71,7 +72,6 @@ def profile_admission(db_url: str, redis_url: str | None, *, n: int = 200, warmu
     from aivedio.admin.tenants import create_tenant
     from aivedio.admission.models import GenerationRequest
     from aivedio.admission.service import admit
-    from aivedio_tools.bench.admission import OPEN_LIMITS
     from aivedio.config import PlatformConfig, Settings
     from aivedio.context import build_platform
 

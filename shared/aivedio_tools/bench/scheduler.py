@@ -27,16 +27,14 @@ import time
 import uuid
 from contextlib import contextmanager
 
-from aivedio_tools.bench.admission import scratch_database
+from aivedio_tools.bench.scratch import (CAP, SCHEDULER_DATABASE_PREFIX, SCHEDULER_REDIS_PREFIX, percentile,
+                                         scratch_database)
 from aivedio_tools.bench.workers import get_or_fail, join_or_kill, raise_first_error
 from aivedio.config import LaneConfig, Limits, Pools, PlatformConfig, ProviderAccount, ProviderConfig, Settings
 from aivedio.observability import logger
 
 LANE = "PAID_SHARED"
-DATABASE_PREFIX = "aivedio_bench_sched_"  # scratch databases
-REDIS_PREFIX = "benchsched"  # each run's Redis keys: {REDIS_PREFIX}{hex}:...
 BIG = 10**12
-CAP = 10**9  # capacities that never bind (pool capacity columns are bigint; config fields are ints)
 MAX_EMPTY_TICKS = 20  # consecutive ticks without a claim before the queue-depth benchmark gives up
 TASK_BASE_UNITS = 1  # a 5 s 720p text_to_video: 1 fairness unit, 25 cost units, 1 media unit
 
@@ -144,9 +142,9 @@ def bench_platform(admin_url: str, redis_url: str | None, pool_size: int = 4):
     """A scratch database with the benchmark config and a Redis prefix of its own; both dropped after."""
     from aivedio.context import build_platform
 
-    prefix = f"{REDIS_PREFIX}{uuid.uuid4().hex[:6]}"
+    prefix = f"{SCHEDULER_REDIS_PREFIX}{uuid.uuid4().hex[:6]}"
     config = bench_config()
-    with scratch_database(admin_url, prefix=DATABASE_PREFIX) as db_url:
+    with scratch_database(admin_url, prefix=SCHEDULER_DATABASE_PREFIX) as db_url:
         settings = Settings(database_url=db_url, redis_url=redis_url or "none", redis_prefix=prefix)
         p = build_platform(settings, config, pool_size=pool_size)
         try:
@@ -166,11 +164,6 @@ def build_ring(p, lane: str = LANE) -> float:
     with p.db.connection() as conn:
         Ring(p).rebuild(conn, lane)
     return round(time.perf_counter() - t0, 2)
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 # -- 1. claims per second, several scheduler processes -----------------------------------------------
@@ -330,7 +323,7 @@ class _PickEnv:
 
     def summary(self) -> dict:
         us = [t * 1e6 for t in self.total]
-        return {"picks": len(us), "median_us": round(statistics.median(us), 1), "p90_us": round(_pct(us, 0.9), 1),
+        return {"picks": len(us), "median_us": round(statistics.median(us), 1), "p90_us": round(percentile(us, 0.9), 1),
                 "mean_us": round(statistics.fmean(us), 1),
                 "ring_next_median_us": round(statistics.median(self.next) * 1e6, 1)}
 
@@ -394,7 +387,7 @@ def _pick_rounds(small: list[float], large: list[float], rounds: int) -> dict:
         if not s or not lg:
             continue
         med.append(statistics.median(lg) / statistics.median(s))
-        p90.append(_pct(lg, 0.9) / _pct(s, 0.9))
+        p90.append(percentile(lg, 0.9) / percentile(s, 0.9))
     return {"median": spread(med), "p90": spread(p90)}
 
 

@@ -19,7 +19,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 
-from aivedio_tools.bench.admission import scratch_database
+from aivedio_tools.bench.scratch import scratch_database
 from aivedio_tools.bench.workers import join_or_kill, raise_first_error
 from aivedio.config import PlatformConfig, Settings
 from aivedio.observability import logger
@@ -91,7 +91,7 @@ def _worker(settings_json: str, tasks: list[tuple[str, str, str]], seconds: floa
     try:
         from aivedio.context import build_platform, set_platform
         from aivedio_tools.local.lambda_context import FakeLambdaContext
-        from aivedio_tools.local.runtime import load_handler
+        from aivedio_tools.local.handlers import load_handler
 
         lambda_handler = load_handler("functions.settlement.handler")
 

@@ -53,12 +53,11 @@ from datetime import datetime
 from itertools import pairwise
 from typing import Any
 
-from aivedio.attempts.lifecycle import LIVE as LIVE_ATTEMPT
-from aivedio.attempts.lifecycle import TERMINAL_EVENT
 from aivedio.billing import policies
 from aivedio.billing.ledger import SNAPSHOT_COLUMNS
 from aivedio_tools.chaos.records import FAIL, OK, Op, Run
-from aivedio.tasks import STATES, TERMINAL, TRANSITIONS
+from aivedio.tasks import ATTEMPT_LIVE, STATES, TERMINAL, TRANSITIONS
+from aivedio.terminal_events import TERMINAL_EVENT
 
 MAX_EXCERPT = 10  # records in one violation's excerpt
 MAX_VIOLATIONS = 25  # per checker; the rest are counted in one last violation
@@ -354,7 +353,7 @@ def check_fencing(run: Run) -> list[Violation]:
                 found.add(f"task {task_id}: attempt {b['attempt_no']} has token {b['fencing_token']}, "
                           f"not above attempt {a['attempt_no']}'s {a['fencing_token']}", a, b)
         t = tasks.get(task_id)
-        live = [a for a in rows if a["state"] in LIVE_ATTEMPT]
+        live = [a for a in rows if a["state"] in ATTEMPT_LIVE]
         if len(live) > 1:
             found.add(f"task {task_id}: {len(live)} attempts live at once", live)
         stale = [a for a in live if t is None or a["attempt_id"] != t["current_attempt_id"]]

@@ -75,7 +75,8 @@ def main(argv: list[str]) -> int:
                         format=f"%(asctime)s %(levelname)s {role}-{index}[%(process)d] %(name)s %(message)s")
     from aivedio.config import PlatformConfig, Settings
     from aivedio.context import build_platform, set_platform
-    from aivedio_tools.local.runtime import Loop, LocalRuntime, api_server, scheduled
+    from aivedio_tools.local.handlers import api_server
+    from aivedio_tools.local.runtime import Loop, LocalRuntime, scheduled
     from aivedio.observability import logger
 
     logger.setLevel("WARNING")

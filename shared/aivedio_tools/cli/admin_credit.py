@@ -4,7 +4,6 @@ appends its audit row; a refusal by a money control (an operator's daily refund 
 refused) is audited too, in a transaction of its own."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from datetime import datetime

@@ -2,7 +2,6 @@
 the platform pays providers and media, and the billing input parked for reconciliation."""
 from __future__ import annotations
 
-import argparse
 from datetime import datetime, timedelta
 from decimal import Decimal
 from uuid import UUID

@@ -22,7 +22,7 @@ from typing import Any
 
 from aivedio import audit
 from aivedio.billing.errors import AUDITED_REFUSALS
-from aivedio.config import ConfigError, Settings, load_config, settings_from_env
+from aivedio.config import Settings, load_config, settings_from_env
 from aivedio.context import Platform, build_platform
 from aivedio.errors import DomainError
 from aivedio_tools.local.embedded import with_embedded_servers

@@ -20,7 +20,6 @@ import html as _html
 import io
 from collections import Counter, defaultdict
 from datetime import datetime, timedelta, timezone
-from statistics import median
 from typing import Any
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "MEDIA_INGEST_FAILED")

@@ -15,9 +15,7 @@ printed and written as one HTML file, and its verdicts decide the exit status. `
 invariants of an existing database without running anything."""
 from __future__ import annotations
 
-import json
 import random
-import signal
 import sys
 import threading
 import time

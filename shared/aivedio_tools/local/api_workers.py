@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from aivedio.config import ConfigError, PlatformConfig, Settings
+from aivedio_tools.local.handlers import api_server
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,6 @@ def worker_main(index: int, spec: WorkerSpec, events: Any) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s api-worker-{index}[%(process)d] %(name)s %(message)s")
     from aivedio.context import build_platform, set_platform
-    from aivedio_tools.local.runtime import api_server
 
     platform = server = None
     try:

@@ -6,7 +6,6 @@ delivery to the consumers registered in aivedio_tools.local.consumers. The handl
 run in Lambda, unchanged."""
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import signal
@@ -16,7 +15,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from aivedio import events_routing
@@ -27,38 +25,15 @@ from aivedio.db.pool import redact
 from aivedio.media import pipeline
 from aivedio_tools.local import consumers, media_dispatch
 from aivedio_tools.local.apigw import ACCOUNT_ID
-from aivedio_tools.local.http_server import LambdaHttpServer, Mount
+from aivedio_tools.local.handlers import api_server, load_handler
+from aivedio_tools.local.http_server import LambdaHttpServer
 from aivedio_tools.local.lambda_context import FakeLambdaContext
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[3]  # shared/aivedio_tools/local/runtime.py -> repo
-API_HANDLER = "functions.api.handler"
-ADMIN_API_HANDLER = "functions.admin_api.handler"
-ADMIN_API_PREFIXES = ("/admin", "/dashboard")  # the admin API's own REST API in AWS (infra_cdk/admin_api.py)
 ATTEMPT_STEP_HANDLER = "functions.attempt_step.handler"
 SCHEDULED_TIMEOUT_SECONDS = 60.0  # the Lambda timeout scheduled handlers get locally
 LOOP_JOIN_SECONDS = 10.0
-
-
-def load_handler(module: str, attr: str = "lambda_handler") -> Callable[[dict, Any], Any]:
-    """Import a Lambda handler from functions/. That tree is deployed as function code, not
-    installed by pip, so the repository root joins sys.path when it is not importable yet."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name != "functions" or not (REPO_ROOT / "functions").is_dir():
-            raise
-        sys.path.insert(0, str(REPO_ROOT))
-        mod = importlib.import_module(module)
-    return getattr(mod, attr)
-
-
-def api_server(host: str, port: int, *, reuse_port: bool = False) -> LambdaHttpServer:
-    """The local API Gateway: the tenant API, with the admin API's paths on the same port."""
-    admin = Mount(ADMIN_API_PREFIXES, load_handler(ADMIN_API_HANDLER), "aivedio-admin-api")
-    return LambdaHttpServer((host, port), load_handler(API_HANDLER), function_name="aivedio-api",
-                            reuse_port=reuse_port, mounts=(admin,))
 
 
 def scheduled_event(rule: str) -> dict[str, Any]:
