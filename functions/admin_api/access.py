@@ -13,10 +13,13 @@ from http.cookies import CookieError, SimpleCookie
 from typing import TypeVar
 from uuid import UUID
 
+from aivedio import audit
+from aivedio.admin.operators import authenticate_operator
 from aivedio.context import get_platform
 from aivedio.db.pool import UNAVAILABLE
 from aivedio.errors import Forbidden, Unauthenticated
 from aivedio.observability import logger
+from aivedio.policy import roles
 from functions.api.routes.auth import _body_error, _body_size, _check_envelope, _reply, database_unavailable_reply
 
 SESSION_COOKIE = "aivedio_admin_session"  # a session id set by the dashboard's sign-in (routes/dashboard.py)
@@ -87,10 +90,6 @@ def _named_tenant(route, path: str) -> UUID | None:
 
 def gate(app, event: dict) -> dict | None:
     """None lets the request through (with the operator in app.context); otherwise the proxy answer."""
-    from aivedio import audit
-    from aivedio.policy import roles
-    from aivedio.admin.operators import authenticate_operator
-
     platform = get_platform()
     limit = platform.config.limits.max_body_bytes
     if _body_size(event) > limit:

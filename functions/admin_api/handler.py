@@ -11,8 +11,7 @@ from aws_lambda_powertools.logging import correlation_paths
 from aivedio import __version__
 from aivedio.observability import logger
 from functions.admin_api import access
-from functions.admin_api.routes import (audit, capacity, dashboard, insight, lanes, operations, operators, policy, tenants,
-                                        wallets)
+from functions.admin_api.routes import audit, capacity, dashboard, insight, lanes, operations, operators, policy, tenants, wallets
 from functions.api import errors
 from functions.api.resolver import ThreadLocalRestResolver
 

@@ -14,6 +14,9 @@ from aws_lambda_powertools.event_handler import APIGatewayRestResolver, Response
 from aws_lambda_powertools.event_handler.exceptions import NotFoundError, ServiceError
 from aws_lambda_powertools.event_handler.openapi.exceptions import RequestUnsupportedContentType, RequestValidationError
 
+from aivedio import degraded
+from aivedio.admission.decisions import database_unavailable
+from aivedio.context import get_platform
 from aivedio.db.pool import UNAVAILABLE
 from aivedio.errors import DomainError
 from aivedio.observability import logger
@@ -145,9 +148,6 @@ def install(app: APIGatewayRestResolver) -> None:
     @app.exception_handler(list(UNAVAILABLE))
     def _database_down(e: Exception) -> Response:
         # PostgreSQL went away after the gate let the request in: fail closed, like the gate (503).
-        from aivedio import degraded
-        from aivedio.admission.decisions import database_unavailable
-        from aivedio.context import get_platform
 
         logger.warning("database unavailable in an API route", extra={"error": repr(e)[:300]})
         degraded.database_down(get_platform())

@@ -17,7 +17,7 @@ which the media-jobs reconciler retries with the same output version once its le
 from __future__ import annotations
 
 from aivedio.context import get_platform
-from aivedio.media import batch
+from aivedio.media import batch, pipeline
 from aivedio.observability import logger
 
 RESERVE_SECONDS = 10.0  # left of the timeout when a run stops claiming
@@ -42,8 +42,7 @@ def lambda_handler(event: dict, context) -> dict:
 
 
 def _local(platform) -> dict:
-    try:
-        from aivedio_tools.local.media_dispatch import run_local
-    except ImportError:
-        return {"skipped": "no AIVEDIO_MEDIA_BATCH, and no local media dispatcher (aivedio_tools.local.media_dispatch.run_local)"}
+    run_local = platform.extras.get(pipeline.LOCAL_DISPATCHER)
+    if run_local is None:
+        return {"skipped": "no AIVEDIO_MEDIA_BATCH, and no local media dispatcher in this process"}
     return run_local(platform)

@@ -34,7 +34,7 @@ RESERVE_MILLIS = 5_000  # stop starting batches this close to the timeout, so no
 
 @cache
 def _sqs():
-    import boto3
+    import boto3  # lazy: boto3 takes most of a second to import; only the AWS bus needs it
 
     return boto3.client("sqs")
 

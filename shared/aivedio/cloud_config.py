@@ -55,7 +55,7 @@ def load_platform_config(settings: Settings, *, ssm=None, secretsmanager=None) -
 
 def _parameter_document(name: str, client) -> dict[str, Any]:
     if client is None:
-        import boto3
+        import boto3  # lazy: boto3 takes most of a second to import; only a deployed function reads its config from AWS
 
         client = boto3.client("ssm")
     text = client.get_parameter(Name=name, WithDecryption=True)["Parameter"]["Value"]
@@ -83,7 +83,7 @@ def secrets_in(data: dict[str, Any]) -> list[str]:
 
 def _secret_document(arn: str, client) -> dict[str, Any]:
     if client is None:
-        import boto3
+        import boto3  # lazy: boto3 takes most of a second to import; only a deployed function reads its config from AWS
 
         client = boto3.client("secretsmanager")
     try:

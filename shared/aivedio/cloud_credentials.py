@@ -37,7 +37,7 @@ def rds_iam_password(url: str, *, client=None, clock: Callable[[], float] = time
             now = clock()
             if "token" not in cached or now >= cached["expires"]:  # type: ignore[operator]
                 if client is None:
-                    import boto3
+                    import boto3  # lazy: boto3 takes most of a second to import; only a deployed function asks AWS for credentials
 
                     client = boto3.client("rds")
                 cached["token"] = client.generate_db_auth_token(DBHostname=host, Port=port, DBUsername=user)
@@ -50,7 +50,7 @@ def rds_iam_password(url: str, *, client=None, clock: Callable[[], float] = time
 def redis_url_with_secret(url: str, secret_arn: str, *, client=None) -> str:
     """`url` (rediss://host:port[/db]) with the user name and password of the secret."""
     if client is None:
-        import boto3
+        import boto3  # lazy: boto3 takes most of a second to import; only a deployed function asks AWS for credentials
 
         client = boto3.client("secretsmanager")
     try:

@@ -6,16 +6,21 @@ bad file or URL fails at once with one line naming the key, and nothing starts h
 from __future__ import annotations
 
 import base64
+import ipaddress
 import json
 import os
+import re
 import secrets
 import time
 import tomllib
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from aivedio.reconcile.room import SERVICES
 
 LANES = ("ENTERPRISE_RESERVED", "PAID_SHARED", "STANDARD", "BEST_EFFORT", "EXPENSIVE", "RECOVERY")
 SERVICE_CLASSES = ("ENTERPRISE_RESERVED", "PAID_SHARED", "STANDARD", "BEST_EFFORT")
@@ -99,8 +104,6 @@ class SimulatorBehaviour(_Strict):
     @field_validator("cancellation_fee", "cost_per_second")
     @classmethod
     def _amount(cls, v: str) -> str:
-        from decimal import Decimal, InvalidOperation
-
         try:
             d = Decimal(v)
         except InvalidOperation:
@@ -283,9 +286,6 @@ class Limits(_Strict):
     @field_validator("probe_allowed_private_hosts")
     @classmethod
     def _allowed_hosts(cls, v: list[str]) -> list[str]:
-        import ipaddress
-        import re
-
         out = []
         for entry in v:
             e = entry.strip().lower().rstrip(".")
@@ -417,8 +417,6 @@ class PlatformConfig(_Strict):
     @field_validator("maintenance")
     @classmethod
     def _maintenance(cls, v: dict[str, MaintenanceService]) -> dict[str, MaintenanceService]:
-        from aivedio.reconcile.room import SERVICES  # the room imports nothing of the config at import time
-
         names = {s.name for s in SERVICES}
         unknown = sorted(set(v) - names)
         if unknown:

@@ -8,9 +8,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from aivedio import wakeups
 from aivedio.cache.client import Cache, connect_cache_or_fail
 from aivedio.cloud_config import load_platform_config
+from aivedio.cloud_credentials import rds_iam_password, redis_url_with_secret
 from aivedio.config import Clock, ConfigError, PlatformConfig, Settings, settings_from_env
+from aivedio.db.migrate import migrate as run_migrations
 from aivedio.db.pool import Database, connect_or_fail, with_password
 
 
@@ -30,8 +33,6 @@ class Platform:
         if event is not None:
             event.set()
         elif self.cache is not None:
-            from aivedio import wakeups
-
             wakeups.push(self.cache, name)
 
     def close(self) -> None:
@@ -55,8 +56,6 @@ def resolve_urls(settings: Settings) -> tuple[str, str | None]:
         raise ConfigError("AIVEDIO_REDIS_URL: not set (a redis:// URL, or 'none' for conservative mode)")
     redis_url = settings.redis_url
     if settings.redis_secret_arn:
-        from aivedio.cloud_credentials import redis_url_with_secret
-
         redis_url = redis_url_with_secret(redis_url, settings.redis_secret_arn)
     return settings.database_url, redis_url
 
@@ -65,7 +64,6 @@ def database_password(settings: Settings, db_url: str):
     """None, or the provider of a fresh RDS IAM token per connection (AWS, through RDS Proxy)."""
     if not settings.database_iam_auth:
         return None
-    from aivedio.cloud_credentials import rds_iam_password
 
     return rds_iam_password(db_url)
 
@@ -84,8 +82,6 @@ def build_platform(
     password = database_password(settings, db_url)
     connect_or_fail(db_url, password=password)
     if migrate:
-        from aivedio.db.migrate import migrate as run_migrations
-
         run_migrations(db_url if password is None else with_password(db_url, password()))
     cache = connect_cache_or_fail(redis_url, settings.redis_prefix) if redis_url else None
     db = Database(db_url, max_size=pool_size, password=password)

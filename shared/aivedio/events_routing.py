@@ -71,13 +71,20 @@ class Schedule:
     name: str  # the loop name locally; the EventBridge rule is aivedio-<stage>-<name>
     function: str  # a directory under functions/
     local_interval: Callable[[PlatformConfig], float]  # platform seconds between local runs (and idle polls)
-    aws_every_minutes: int  # EventBridge's finest rate is one minute; the handler loops within a run
+    # EventBridge's finest rate is one minute; the handler loops within a run. A maintenance
+    # service's rate comes from its module's DEFAULTS, read when asked: loading this table loads
+    # no service module (a process importing the outbox would otherwise import every repair).
+    every_minutes: int | Callable[[], int]
     continuous: bool = False  # in AWS a run polls until near its timeout, and two overlap (see above)
     payload: dict[str, str] | None = None  # the schedule's input (else EventBridge's scheduled event)
 
     @property
     def module(self) -> str:
         return f"functions.{self.function}.handler"
+
+    @property
+    def aws_every_minutes(self) -> int:
+        return self.every_minutes() if callable(self.every_minutes) else self.every_minutes
 
 
 SUBSCRIPTIONS: tuple[Subscription, ...] = (
@@ -99,9 +106,8 @@ AWS_EVENTS: tuple[AwsEvents, ...] = (
 )
 
 
-
 def _maintenance(s: room.Service) -> Schedule:
-    return Schedule(s.name, s.function, s.interval_seconds, s.defaults.aws_every_minutes, payload=s.payload)
+    return Schedule(s.name, s.function, s.interval_seconds, lambda: s.defaults.aws_every_minutes, payload=s.payload)
 
 
 # The two continuous loops, then every service of the maintenance room (aivedio.reconcile.room).

@@ -6,8 +6,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aivedio import outbox
-from aivedio.degraded import (CAPACITY_COUNTERS, DATABASE, OUTBOX_BACKLOG, PROBED, PROVIDER_BREAKER, REDIS, STORED, Mode,
-                              active_modes, database_down, enter, leave, redis_down)
+from aivedio.degraded import (
+    CAPACITY_COUNTERS,
+    DATABASE,
+    OUTBOX_BACKLOG,
+    PROBED,
+    PROVIDER_BREAKER,
+    REDIS,
+    STORED,
+    Mode,
+    active_modes,
+    database_down,
+    enter,
+    leave,
+    redis_down,
+)
 from aivedio.metrics_catalog import DEGRADED_MODE
 from aivedio.observability import logger, publish
 from aivedio.scheduling import router

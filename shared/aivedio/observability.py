@@ -10,6 +10,7 @@ import time
 from collections import defaultdict
 
 from aws_lambda_powertools import Logger
+from aws_lambda_powertools.metrics import single_metric
 
 from aivedio.metrics_catalog import GAUGE, HISTOGRAM, NAMESPACE, SERVICE, MetricSpec
 
@@ -91,7 +92,6 @@ def publish(spec: MetricSpec, value: float = 1.0, **dimensions: str) -> None:
     metrics.record(spec, value, dimensions)
     if not in_lambda():
         return
-    from aws_lambda_powertools.metrics import single_metric
 
     with single_metric(name=spec.name, unit=spec.unit, value=value, namespace=NAMESPACE,
                        default_dimensions={"service": SERVICE, **dimensions}):

@@ -32,8 +32,10 @@ from psycopg.types.json import Jsonb
 from pydantic import BaseModel
 
 from aivedio.caching import cached
-from aivedio.faults import failpoints, safeguards
+from aivedio.context import get_platform
 from aivedio.events import EventEnvelope
+from aivedio.events_routing import RELAY
+from aivedio.faults import failpoints, safeguards
 from aivedio.metrics_catalog import OUTBOX_DELIVERY_ERRORS, OUTBOX_FAILED, OUTBOX_PUBLISHED
 from aivedio.observability import logger, publish
 
@@ -163,9 +165,6 @@ def waking_relay() -> Iterator[None]:
         yield
     finally:
         if written() != before:
-            from aivedio.context import get_platform
-            from aivedio.events_routing import RELAY
-
             platform = get_platform()
             if _relay_wake_due(platform):
                 platform.wake(RELAY)
@@ -242,8 +241,6 @@ def _write_after_commit(conn: psycopg.Connection, statement: str, params: dict[s
     """Write the event outside the caller's transaction, once that has committed, as a platform
     that publishes after its commit would: a crash in between (the after-commit-before-publish
     failpoint) loses the event while the state it announces stays. A rolled-back caller writes none."""
-    from aivedio.context import get_platform
-
     with conn.cursor(row_factory=dict_row) as cur:
         xid = cur.execute(CURRENT_XACT).fetchone()["xid"]
     db = get_platform().db

@@ -7,6 +7,9 @@ from datetime import datetime
 from uuid import UUID
 
 from aivedio.errors import InvalidRequest, NotFound
+from aivedio.media.urls import output_url
+from aivedio.observability import logger
+from aivedio.scheduling.why_waiting import for_tenant
 from aivedio.tasks import STATES
 from aivedio.tenant_errors import tenant_error
 
@@ -38,8 +41,6 @@ select asset_type, object_key, url from task_output
 
 
 def _outputs(conn, task_id: UUID, platform) -> list[dict]:
-    from aivedio.media.urls import output_url
-
     return [{"asset_type": o["asset_type"], "url": output_url(platform, o)}
             for o in conn.execute(OUTPUTS, (task_id, task_id)).fetchall()]
 
@@ -84,9 +85,6 @@ def get_task(conn, tenant_id: UUID, task_id: UUID, *, platform=None) -> dict:
 def _waiting(platform, conn, t: dict) -> dict | None:
     """The task's `waiting` object, computed from the row read inside the tenant boundary. A
     diagnostic that fails leaves it out (logged) rather than failing the tenant's GET."""
-    from aivedio.observability import logger
-    from aivedio.scheduling.why_waiting import for_tenant
-
     try:
         with conn.transaction():  # its reads roll back together should one fail
             return for_tenant(platform, conn, t)

@@ -21,6 +21,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import redis
+
+from aivedio import events_routing
 from aivedio.cache.client import CacheUnavailable
 from aivedio.observability import due, logger
 
@@ -55,8 +58,6 @@ def push(cache: Cache, name: str) -> None:
 def _blocking_client(platform: Platform, seconds: float):
     """A connection of its own for BLPOP, whose socket timeout outlasts the block (the cache's
     0.5 s would report every longer wait as an error); made again for a longer wait."""
-    import redis
-
     need = seconds + SOCKET_SLACK_SECONDS
     held = platform.extras.get("wake_redis")
     if held is None or held[0] < need:
@@ -106,8 +107,6 @@ class ContinuousRun:
     """
 
     def __init__(self, platform: Platform, name: str, context, *, reserve_millis: int):
-        from aivedio import events_routing
-
         self.platform, self.name, self.context, self.reserve_millis = platform, name, context, reserve_millis
         self.local = bool(platform.extras.get("local_runtime"))
         self.interval = platform.clock.real_seconds(events_routing.schedule(name).local_interval(platform.config))

@@ -105,7 +105,7 @@ _CODEC: str | None = None
 def _codec() -> str:
     global _CODEC
     if _CODEC is None:
-        import av
+        import av  # lazy: PyAV loads FFmpeg's libraries; only the simulator's outputs need it
 
         _CODEC = "mpeg4"
         for name in ("libx264", "h264", "mpeg4"):
@@ -134,7 +134,7 @@ def make_mp4(duration_seconds: float, resolution: str, with_audio: bool) -> byte
 
 @functools.lru_cache(maxsize=32)
 def _make_mp4(duration_seconds: float, resolution: str, with_audio: bool) -> bytes:
-    import av
+    import av  # lazy: PyAV loads FFmpeg's libraries; only the simulator's outputs need it
 
     width, height = OUTPUT_DIMENSIONS[resolution]
     buf = io.BytesIO()

@@ -17,11 +17,11 @@ from aws_lambda_powertools.event_handler.openapi.params import Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from aivedio.admin import capacity, prices
-from aivedio.policy.capacity import overrides
-from aivedio.spend import budgets
 from aivedio.context import get_platform
 from aivedio.errors import InvalidRequest
+from aivedio.policy.capacity import overrides
 from aivedio.pricing import price_book
+from aivedio.spend import budgets
 from functions.admin_api.access import operator_of, requires
 
 router = Router()

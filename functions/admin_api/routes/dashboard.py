@@ -27,12 +27,12 @@ from aws_lambda_powertools.event_handler.api_gateway import Router
 from aws_lambda_powertools.shared.cookies import Cookie, SameSite
 
 from aivedio.admin import dashboard
-from aivedio.policy import roles
 from aivedio.admin.operators import Operator, authenticate_operator, end_session, open_session
 from aivedio.context import get_platform
 from aivedio.db.pool import UNAVAILABLE
 from aivedio.errors import Forbidden, Unauthenticated
 from aivedio.observability import logger
+from aivedio.policy import roles
 from functions.admin_api.access import SESSION_COOKIE, operator_of, public, requires, session_token
 
 router = Router()

@@ -17,9 +17,8 @@ from aws_lambda_powertools.event_handler.api_gateway import Router
 from aws_lambda_powertools.event_handler.openapi.params import Query
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
-from aivedio import outbox
+from aivedio import audit, outbox
 from aivedio.admin import dead_letters
-from aivedio import audit
 from aivedio.attempts import review
 from aivedio.billing import compensation, refunds
 from aivedio.billing.errors import AUDITED_REFUSALS

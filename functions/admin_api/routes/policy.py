@@ -8,8 +8,8 @@ from aws_lambda_powertools.event_handler.api_gateway import Router
 from aws_lambda_powertools.event_handler.openapi.params import Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from aivedio.policy import tenant_policy as policy
 from aivedio.context import get_platform
+from aivedio.policy import tenant_policy as policy
 from functions.admin_api.access import operator_of, requires
 
 router = Router()

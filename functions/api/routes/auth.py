@@ -14,10 +14,11 @@ import binascii
 import json
 from typing import Any
 
+from aivedio import degraded
 from aivedio.admission.decisions import database_unavailable
 from aivedio.auth import Caller, authenticate, cached_caller
-from aivedio.db.pool import UNAVAILABLE
 from aivedio.context import get_platform
+from aivedio.db.pool import UNAVAILABLE
 from aivedio.errors import Unauthenticated
 from functions.api.errors import field_errors
 
@@ -105,8 +106,6 @@ def gate(app, event: dict) -> dict | None:
 
 def database_unavailable_reply(platform) -> dict:
     """503 REJECT_DATABASE_UNAVAILABLE, with Retry-After: nothing was admitted or changed."""
-    from aivedio import degraded
-
     degraded.database_down(platform)
     r = database_unavailable()
     return {"statusCode": r.status, "isBase64Encoded": False,

@@ -9,10 +9,10 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio import auth
-from aivedio import audit
-from aivedio.spend.budgets import project_scope_id
+from aivedio import audit, auth
 from aivedio.errors import Conflict, NotFound
+from aivedio.spend.budgets import project_scope_id
+from aivedio.views import decode_cursor, encode_cursor
 
 FIRST_OWNER = """
 select user_id from app_user where tenant_id = %s and role = 'OWNER' order by created_at, user_id limit 1
@@ -79,8 +79,6 @@ def _key_view(row: dict) -> dict:
 
 def list_api_keys(conn: psycopg.Connection, *, tenant_id: UUID, limit: int, cursor: str | None = None) -> dict:
     """A tenant's keys, oldest first, by prefix (never the secret or its hash); NOT_FOUND for no tenant."""
-    from aivedio.views import decode_cursor, encode_cursor
-
     if conn.execute("select 1 from tenant where tenant_id = %s", (tenant_id,)).fetchone() is None:
         raise NotFound(f"no tenant {tenant_id}", details={"tenant_id": str(tenant_id)})
     after_ts, after_id = decode_cursor(cursor) if cursor else (None, None)

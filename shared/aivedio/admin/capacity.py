@@ -29,14 +29,23 @@ from psycopg.types.json import Jsonb
 from aivedio import audit
 from aivedio.config import LANES, PlatformConfig
 from aivedio.errors import InvalidRequest
-from aivedio.policy.capacity import (SELECT_OVERRIDE, Overrides, account_limit_of, account_override_key,
-                                     apply_overrides, effective_config, invalidate, load_overrides, overrides, switch_name,
-                                     switch_state)
+from aivedio.policy.capacity import (
+    SELECT_OVERRIDE,
+    Overrides,
+    account_limit_of,
+    account_override_key,
+    apply_overrides,
+    effective_config,
+    invalidate,
+    load_overrides,
+    overrides,
+    switch_name,
+    switch_state,
+)
 from aivedio.policy.tenant_policy import POLICY_SET_LOCK
 from aivedio.pricing.estimates import RESOURCE_CLASSES
 from aivedio.scheduling.gauges import read_gauges
-from aivedio.scheduling.resources import (POOL_STATE, account_key, effective_pools, platform_pools, provider_key,
-                                          resize_pool)
+from aivedio.scheduling.resources import POOL_STATE, account_key, effective_pools, platform_pools, provider_key, resize_pool
 
 MAX_UNITS = 2**31 - 1
 MAX_REASON = 1000

@@ -25,8 +25,10 @@ from typing import Any
 
 import psycopg
 
+from aivedio.admin import fair_share
 from aivedio.caching import cached
 from aivedio.policy import capacity
+from aivedio.scheduling import router
 from aivedio.scheduling.resources import account_key
 
 AUDIT_ROWS = 20  # the recent audit trail shown
@@ -112,7 +114,6 @@ def snapshot(platform, *, conn: psycopg.Connection | None = None, fresh: bool = 
         # The router's outcome statistics and the operator's capacity overrides come first: each
         # takes a pooled connection of its own (cached a moment per process), which must not be
         # waited for while this snapshot holds one.
-        from aivedio.scheduling import router
 
         stats, config = router.provider_stats(platform), capacity.effective_config(platform)
         if conn is not None:
@@ -197,8 +198,6 @@ def _lanes(platform, conn: psycopg.Connection, config, now: datetime) -> list[di
 
 
 def _tenants(platform, conn: psycopg.Connection) -> dict[str, Any]:
-    from aivedio.admin import fair_share
-
     window = int(platform.config.timers.throughput_window_seconds)
     shares = fair_share.lane_shares(platform, conn, window_seconds=window)
     rank = {lane: i for i, lane in enumerate(platform.config.lanes)}
@@ -223,8 +222,6 @@ def _tenants(platform, conn: psycopg.Connection) -> dict[str, Any]:
 
 
 def _providers(platform, conn: psycopg.Connection, config, attempts: list[dict], stats: dict) -> list[dict[str, Any]]:
-    from aivedio.scheduling import router
-
     keys = [account_key(p.name, a.account_id) for p in config.providers for a in p.accounts]
     pools = {r["resource_key"]: r for r in conn.execute(POOLS, {"keys": keys}).fetchall()}
     by_state: dict[tuple[str, str], int] = {(r["provider"], r["state"]): int(r["n"]) for r in attempts}

@@ -24,8 +24,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio import outbox
-from aivedio import audit
+from aivedio import audit, outbox
 from aivedio.errors import DomainError, InvalidRequest, NotFound
 
 MAX_LIST = 1000
@@ -111,7 +110,7 @@ def redrive_queue(platform, sqs, *, operator: str, queue: str, reason: str | Non
     and a second row records its outcome (the task handle SQS returns, or the error). A move is
     never made unaudited; if SQS refuses, the refusal is audited too and reported as
     QUEUE_MOVE_FAILED. Its own transactions: it takes the platform, not a connection."""
-    from botocore.exceptions import BotoCoreError, ClientError  # (boto3's; imported where AWS is used)
+    from botocore.exceptions import BotoCoreError, ClientError  # lazy: boto3's, imported only where AWS is asked
 
     def intent(conn: psycopg.Connection) -> tuple[dict[str, Any], dict[str, Any]]:
         if max_per_second is not None and not 1 <= max_per_second <= 500:

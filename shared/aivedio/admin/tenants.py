@@ -11,6 +11,8 @@ from aivedio import auth
 from aivedio.billing.lots import grant_credits
 from aivedio.config import SERVICE_CLASSES
 from aivedio.errors import Conflict, InvalidRequest
+from aivedio.policy import tenant_policy as policies
+from aivedio.views import decode_cursor, encode_cursor
 
 # Contract defaults per service class (ch. 18.5.1 examples); operators change them per tenant.
 POLICY_DEFAULTS: dict[str, dict] = {
@@ -70,8 +72,6 @@ def create_tenant(platform, *, name: str, service_class: str, weight: int, credi
     nothing. `trusted`: no policy validation, for the platform's own fixtures only (the simulator
     and the tests, whose policies open limits far past an operator's bounds or reserve more than a
     small test lane holds); the admin API and the CLI never pass it."""
-    from aivedio.policy import tenant_policy as policies
-
     bad = {}
     if not isinstance(name, str) or not name or len(name) > 128:
         bad["name"] = "1 to 128 characters"
@@ -166,8 +166,6 @@ select t.tenant_id, t.name, t.status, t.created_at, p.service_class, p.weight, p
 
 def list_tenants(conn, *, limit: int, cursor: str | None = None) -> dict:
     """Tenants, oldest first, a page of `limit` after `cursor` (views.encode_cursor of the last one)."""
-    from aivedio.views import decode_cursor, encode_cursor
-
     after_ts, after_id = decode_cursor(cursor) if cursor else (None, None)
     rows = conn.execute(LIST_TENANTS, {"after_ts": after_ts, "after_id": after_id, "limit": limit + 1}).fetchall()
     page = rows[:limit]

@@ -11,8 +11,7 @@ from uuid import UUID
 
 import psycopg
 
-from aivedio import auth
-from aivedio import audit
+from aivedio import audit, auth
 from aivedio.errors import InvalidRequest, NotFound
 
 USER_ROLES = ("MEMBER", "OWNER")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from aivedio import degraded
 from aivedio.cache.client import CacheUnavailable
 from aivedio.observability import due, logger
 
@@ -32,8 +33,6 @@ def take(platform, bucket: str, per_minute: int, cost: int = 1) -> RateDecision:
             allowed, retry_ms = cache.run(cache.script("token_bucket"), keys=[cache.key("rate", bucket)], args=[per_minute, rate, cost])
             return RateDecision(bool(allowed), math.ceil(int(retry_ms) / 1000))
         except CacheUnavailable as e:
-            from aivedio import degraded
-
             degraded.redis_down(platform, str(e))
             if due("rate-limit-redis-down", WARN_EVERY_SECONDS):  # once a minute, not once per request
                 logger.warning("redis unavailable for rate limit; using PostgreSQL bucket", extra={"bucket": bucket, "error": str(e)})
@@ -62,8 +61,6 @@ def take_all(platform, buckets: list[tuple[str, int]], cost: int = 1) -> tuple[i
             index = int(index)
             return None if index == 0 else (index - 1, RateDecision(False, math.ceil(int(retry_ms) / 1000)))
         except CacheUnavailable as e:
-            from aivedio import degraded
-
             degraded.redis_down(platform, str(e))
             if due("rate-limit-redis-down", WARN_EVERY_SECONDS):
                 logger.warning("redis unavailable for rate limit; using PostgreSQL bucket", extra={"bucket": buckets[0][0], "error": str(e)})

@@ -39,22 +39,22 @@ from datetime import datetime
 import psycopg
 
 from aivedio import degraded, outbox
-from aivedio.policy import capacity
-from aivedio.scheduling import queue_stats
-from aivedio.admission.decisions import Rejected
-from aivedio.pricing.estimates import Estimate, check_capabilities, estimate
-from aivedio.admission.models import GenerationRequest
 from aivedio.admission import write
+from aivedio.admission.decisions import Rejected
+from aivedio.admission.models import GenerationRequest
 from aivedio.admission.rate_limits import give_back, take_all
 from aivedio.auth import Caller
-from aivedio.spend import budgets
-from aivedio.faults import safeguards
 from aivedio.errors import Conflict, DomainError, InvalidRequest
+from aivedio.faults import safeguards
 from aivedio.media.probe import probe_inputs
-from aivedio.metrics_catalog import ADMISSIONS_ACCEPTED, ADMISSION_REJECTIONS
+from aivedio.metrics_catalog import ADMISSION_REJECTIONS, ADMISSIONS_ACCEPTED
 from aivedio.observability import logger, publish
+from aivedio.policy import capacity
 from aivedio.pricing import price_book
+from aivedio.pricing.estimates import Estimate, check_capabilities, estimate
 from aivedio.pricing.price_book import Quote
+from aivedio.scheduling import queue_stats
+from aivedio.spend import budgets
 
 MAX_RETRY_AFTER_SECONDS = write.MAX_RETRY_AFTER_SECONDS  # the longest Retry-After a rejection suggests
 

@@ -29,12 +29,12 @@ from psycopg.types.json import Jsonb
 
 from aivedio import outbox
 from aivedio.admission.decisions import Rejected
-from aivedio.pricing.estimates import Estimate
 from aivedio.admission.models import GenerationRequest
-from aivedio.scheduling.queue_stats import LaneStats
 from aivedio.db.pool import MAX_TX_ATTEMPTS, RETRYABLE
 from aivedio.observability import logger
+from aivedio.pricing.estimates import Estimate
 from aivedio.pricing.price_book import Quote
+from aivedio.scheduling.queue_stats import LaneStats
 
 MAX_RETRY_AFTER_SECONDS = 3600  # the longest Retry-After a rejection suggests
 # One task per key: an admission whose key's record expired while its task keeps the key fails on it.

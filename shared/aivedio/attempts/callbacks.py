@@ -25,9 +25,9 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from aivedio.attempts.lifecycle import AttemptRef, apply_job, lock_job, record_orphan
-from aivedio.faults import failpoints, safeguards
 from aivedio.config import ConfigError
 from aivedio.errors import DomainError, InvalidRequest, NotFound, Unauthenticated
+from aivedio.faults import failpoints, safeguards
 from aivedio.metrics_catalog import WEBHOOKS_RECEIVED, WEBHOOKS_REFUSED
 from aivedio.observability import logger, publish
 from aivedio.providers.adapter import MalformedDocument, parse_job

@@ -8,8 +8,8 @@ import json
 
 from aivedio.attempts.lifecycle import AttemptRef
 from aivedio.attempts.workflow import STEP_FUNCTION_PLACEHOLDER, definition, execution_input, substitute
-from aivedio.faults import failpoints
 from aivedio.config import Settings
+from aivedio.faults import failpoints
 from aivedio.observability import logger
 
 LOCAL_STEP_RESOURCE = "local:attempt_step"
@@ -41,7 +41,7 @@ def start_with(settings: Settings, extras: dict, ref: AttemptRef, *, recoveries:
     doc = execution_input(ref.as_dict())
     arn = settings.attempt_state_machine_arn
     if arn:
-        import boto3
+        import boto3  # lazy: boto3 takes most of a second to import; the local workflow runner needs none
 
         client = extras.get("sfn_client") or boto3.client("stepfunctions")
         try:

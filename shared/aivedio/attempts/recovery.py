@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from aivedio.attempts import executions
 from aivedio.attempts.lifecycle import AttemptRef
-from aivedio.tasks import ATTEMPT_LIVE
 from aivedio.attempts.steps import to_manual_review
 from aivedio.faults import safeguards
 from aivedio.metrics_catalog import ATTEMPTS_RECOVERED
 from aivedio.observability import logger, publish
+from aivedio.tasks import ATTEMPT_LIVE
 
 BATCH = 200
 

@@ -45,7 +45,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from aivedio import audit
-from aivedio.attempts.lifecycle import (AttemptRef, Loaded, finish, load, lock_job, reopen_adopted, requeue, set_attempt)
+from aivedio.attempts.lifecycle import AttemptRef, Loaded, finish, load, lock_job, reopen_adopted, requeue, set_attempt
 from aivedio.attempts.steps import absence_proven
 from aivedio.errors import DomainError, InvalidRequest, NotFound
 from aivedio.metrics_catalog import REVIEW_FAILED, REVIEW_REQUEUED

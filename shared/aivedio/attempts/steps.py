@@ -19,13 +19,32 @@ from typing import Any, Callable
 
 from aivedio import outbox, tasks
 from aivedio.attempts import aimd
-from aivedio.attempts.lifecycle import (AttemptRef, Loaded, apply_job, finish, jitter, load, move, record_orphan,
-                                        renew_lease, requeue, set_attempt)
+from aivedio.attempts.lifecycle import (
+    AttemptRef,
+    Loaded,
+    apply_job,
+    finish,
+    jitter,
+    load,
+    move,
+    record_orphan,
+    renew_lease,
+    requeue,
+    set_attempt,
+)
 from aivedio.faults import failpoints, safeguards
 from aivedio.metrics_catalog import MANUAL_REVIEWS, STALE_WRITES_REFUSED, SUBMIT_UNKNOWN, SUBMIT_UNKNOWN_RESOLVED
 from aivedio.observability import logger, publish
-from aivedio.providers.adapter import (Accepted, Lookup, NotAcceptedRetryable, ProviderError, ProviderJob, RejectedFinal,
-                                       SubmitRequest, Unknown)
+from aivedio.providers.adapter import (
+    Accepted,
+    Lookup,
+    NotAcceptedRetryable,
+    ProviderError,
+    ProviderJob,
+    RejectedFinal,
+    SubmitRequest,
+    Unknown,
+)
 from aivedio.providers.registry import adapter
 from aivedio.scheduling.resources import release_attempt
 

@@ -18,7 +18,7 @@ from uuid import UUID
 import psycopg
 
 from aivedio.billing.ledger import Entry, lock_wallet, post
-from aivedio.metrics_catalog import CREDITS_EXPIRED, CREDIT_EXPIRY_FAILURES
+from aivedio.metrics_catalog import CREDIT_EXPIRY_FAILURES, CREDITS_EXPIRED
 from aivedio.observability import logger, publish
 
 DUE_WALLETS = """

@@ -31,8 +31,14 @@ import psycopg
 
 from aivedio import audit
 from aivedio.billing import contract_budgets, lots
-from aivedio.billing.errors import (ApprovalRefused, RefundDailyLimitExceeded, RefundExceedsSettled, RefundTenantMismatch,
-                                    TaskNotFound, WalletFrozen)
+from aivedio.billing.errors import (
+    ApprovalRefused,
+    RefundDailyLimitExceeded,
+    RefundExceedsSettled,
+    RefundTenantMismatch,
+    TaskNotFound,
+    WalletFrozen,
+)
 from aivedio.billing.ledger import Entry, lock_wallet, post
 from aivedio.billing.reservations import lock_reservation
 from aivedio.config import BillingConfig

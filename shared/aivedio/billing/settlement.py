@@ -38,14 +38,13 @@ import psycopg
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aivedio import outbox
-from aivedio.spend import budgets, costs
 from aivedio.billing import contract_budgets, lots, policies, refunds
-from aivedio.spend import parked
 from aivedio.billing.reservations import Closing, InsufficientCredit, close_many, open_allocations, top_up
-from aivedio.faults import failpoints, safeguards
 from aivedio.db.pool import in_transaction
-from aivedio.metrics_catalog import SETTLEMENTS, SETTLEMENT_ABSORBED_CREDITS, SETTLEMENT_REPLAYS
+from aivedio.faults import failpoints, safeguards
+from aivedio.metrics_catalog import SETTLEMENT_ABSORBED_CREDITS, SETTLEMENT_REPLAYS, SETTLEMENTS
 from aivedio.observability import logger, publish
+from aivedio.spend import budgets, costs, parked
 
 # TaskMediaIngestFailed: the media pipeline's end of a task whose provider succeeded but whose output
 # could not be made a playable video (aivedio.media.pipeline); stage MEDIA_DELIVERY_FAILED, priced by

@@ -13,8 +13,8 @@ from uuid import UUID
 import psycopg
 
 from aivedio import audit
-from aivedio.billing.lots import grant_credits
 from aivedio.billing.ledger import lock_wallet
+from aivedio.billing.lots import grant_credits
 from aivedio.errors import InvalidRequest, NotFound
 from aivedio.metrics_catalog import SUBSCRIPTION_CREDITS_GRANTED
 from aivedio.observability import logger, publish

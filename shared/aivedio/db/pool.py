@@ -5,6 +5,7 @@ import random
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, TypeVar
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import errors
@@ -26,8 +27,6 @@ MAX_TX_ATTEMPTS = 8
 def redact(url: str) -> str:
     """A URL safe to print: the password hidden."""
     try:
-        from urllib.parse import urlsplit, urlunsplit
-
         parts = urlsplit(url)
         if parts.password:
             netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
@@ -39,8 +38,6 @@ def redact(url: str) -> str:
 
 def with_password(url: str, password: str) -> str:
     """The URL with this password (percent-encoded) in its user info."""
-    from urllib.parse import quote, unquote, urlsplit, urlunsplit
-
     parts = urlsplit(url)
     user = unquote(parts.username or "")
     host = parts.hostname or ""

@@ -33,6 +33,10 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from aivedio.media import pipeline
+from aivedio.media.pipeline import MEDIA_CLASSES
+from aivedio.observability import logger
+
 BATCH_ENV = "AIVEDIO_MEDIA_BATCH"
 JOB_SPEC_ENV = "AIVEDIO_JOB_SPEC"  # what containers/gpu-render/worker.py reads
 RESULT_FILE = "result.json"
@@ -101,7 +105,6 @@ def parse_job_name(name: str | None) -> JobKey | None:
 def _units(job: dict, spec: dict) -> int:
     if isinstance(job.get("units"), int) and job["units"] > 0:
         return job["units"]
-    from aivedio.media.pipeline import MEDIA_CLASSES
 
     media_class = MEDIA_CLASSES.get(job.get("resource_class") or "")
     resolution = (spec.get("order") or {}).get("resolution")
@@ -252,7 +255,7 @@ def clients(extras: dict) -> tuple[Any, Any]:
     """(batch, s3) clients, kept in platform.extras (tests put moto's there first)."""
     for key, service in (("batch_client", "batch"), ("s3_client", "s3")):
         if extras.get(key) is None:
-            import boto3
+            import boto3  # lazy: boto3 takes most of a second to import, and only the AWS path needs it
 
             extras[key] = boto3.client(service)  # once per process: a cold start pays for it, not each call
     return extras["batch_client"], extras["s3_client"]
@@ -270,9 +273,6 @@ def dispatch(platform, *, limit: int, seconds_left=lambda: 60.0, reserve_seconds
     claim and mark_started (the reconciler took it back) is reported `stale`: its Batch job's result
     will be STALE for complete() and change nothing. A claim is never submitted twice: claim_next
     hands each (job, fencing token) to one caller only."""
-    from aivedio.media import pipeline
-    from aivedio.observability import logger
-
     batch_targets = targets()
     if not batch_targets:
         raise BatchNotConfigured(f"{BATCH_ENV} is not set: no Batch job queues to submit media jobs to")
@@ -313,8 +313,6 @@ def dispatch(platform, *, limit: int, seconds_left=lambda: 60.0, reserve_seconds
 def complete_job(platform, job: dict) -> str | None:
     """Complete the media job of one finished Batch job (an event's detail, or DescribeJobs'):
     pipeline.complete's outcome, or None when the job is not one of ours or not finished."""
-    from aivedio.media import pipeline
-
     _, s3 = clients(platform.extras)
     result = result_of_job(job, s3)
     if result is None:

@@ -33,6 +33,8 @@ Lock order, everywhere: the task row, then its media_job row, then the pool shar
 order). Every function here runs in the caller's transaction."""
 from __future__ import annotations
 
+import ipaddress
+import mimetypes
 import shutil
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -50,10 +52,18 @@ from aivedio import tasks
 from aivedio.errors import DomainError
 from aivedio.metrics_catalog import TASKS_FINISHED
 from aivedio.observability import logger, publish
+from aivedio.scheduling.resources import (
+    ensure_pools,
+    media_pool_key,
+    media_pool_units,
+    preferred_shard,
+    release_attempt,
+    release_keys,
+    reserve_key,
+    rooms,
+)
 from aivedio.spend.costs import QUANTUM, MediaCost, record_media_costs
 from aivedio.terminal_events import close_reopened_attempt, write_terminal_event
-from aivedio.scheduling.resources import (ensure_pools, media_pool_key, media_pool_units, preferred_shard, release_attempt,
-                                          release_keys, reserve_key, rooms)
 
 OPERATION = "ingest"
 FIRST_VERSION = 1
@@ -180,8 +190,6 @@ def _normalized_key(platform, job: dict, raw: Any) -> str | None:
 def _allow_private(platform, job_row: dict) -> bool:
     """True only for a built-in provider simulator (no base_url) serving on the loopback: the one
     source a worker may fetch from a private address."""
-    import ipaddress
-
     cfg = platform.config.provider(job_row.get("provider") or "")
     if cfg is None or cfg.base_url is not None:
         return False
@@ -534,8 +542,6 @@ def _store_outputs(conn: psycopg.Connection, job: dict, outputs: list[tuple[_Out
 
 
 def content_type_of(key: str) -> str:
-    import mimetypes
-
     return mimetypes.guess_type(key)[0] or "application/octet-stream"
 
 

@@ -374,8 +374,8 @@ def s3_key(url: str, *, tenant_id: str, media_bucket: str | None) -> str:
 
 
 def _s3_client(timeout: float):
-    import boto3
-    from botocore.config import Config
+    import boto3  # lazy: boto3 takes most of a second to import, and only the AWS path needs it
+    from botocore.config import Config  # lazy: with boto3, above
 
     # No retries: a retry would start the timeouts afresh past the deadline. (The bucket is the
     # platform's own, so a dripping S3 is not a tenant's doing; the deadline is checked per chunk.)
@@ -424,7 +424,7 @@ def measure(path: str) -> MediaFacts:
     """Open a local file with PyAV and read its kind, container, codec, duration, size, frame rate
     and audio. Raises (ValueError, av.error.*) when it is not a readable image, video or audio file.
     Shared by input probing and the media worker (containers/gpu-render/worker.py)."""
-    import av
+    import av  # lazy: PyAV loads FFmpeg's libraries; only a request with inputs probes
 
     with av.open(path) as container:
         video = next(iter(container.streams.video), None)

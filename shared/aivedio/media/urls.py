@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aivedio.errors import DomainError
+from aivedio.errors import DomainError, NotFound
+from aivedio.media.pipeline import media_root
 
 ROUTE = "/v1/media/"
 
@@ -60,7 +61,7 @@ def local_url(platform, key: str, *, now: float | None = None) -> str:
 def presigned_url(platform, key: str) -> str:
     client = platform.extras.get("s3_client")
     if client is None:
-        import boto3
+        import boto3  # lazy: boto3 takes most of a second to import, and only the AWS path needs it
 
         client = platform.extras.setdefault("s3_client", boto3.client("s3"))
     return client.generate_presigned_url("get_object", Params={"Bucket": platform.settings.media_bucket, "Key": key},
@@ -97,9 +98,6 @@ def verify(platform, ref: str, expires: Any, sig: Any, *, now: float | None = No
 def local_path(platform, key: str) -> Path:
     """The file of a signed key under the media directory: MediaUrlRefused when the key would leave
     it, NotFound when it is not there (removed, or never written)."""
-    from aivedio.errors import NotFound
-    from aivedio.media.pipeline import media_root
-
     root = media_root(platform)
     path = (root / key).resolve()
     if not key.startswith("outputs/") or root / "outputs" not in path.parents:

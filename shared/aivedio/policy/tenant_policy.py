@@ -37,7 +37,9 @@ from uuid import UUID
 
 import psycopg
 
+from aivedio import audit
 from aivedio.config import SERVICE_CLASSES
+from aivedio.context import get_platform
 from aivedio.errors import InvalidRequest, NotFound
 from aivedio.policy import capacity
 
@@ -347,8 +349,6 @@ def set_policy(conn: psycopg.Connection, *, operator: str, tenant_id: Any, chang
     before it could miss a change committing meanwhile). `problems`: what the caller found already
     (a CLI flag that did not parse), reported with the rest."""
     if config is None:
-        from aivedio.context import get_platform
-
         config = get_platform().config
     t = _tenant_uuid(tenant_id)
     typed, bad = check_changes(changes)
@@ -385,8 +385,6 @@ def set_policy(conn: psycopg.Connection, *, operator: str, tenant_id: Any, chang
 
 
 def _audit(conn, *, operator: str, tenant_id: UUID, old: dict, new: dict, reason: str | None, policy_version: int) -> None:
-    from aivedio import audit
-
     audit.append(conn, operator=operator, action="policy.set", target=f"tenant:{tenant_id}", tenant_id=tenant_id,
                  old=old, new=new, reason=reason, policy_version=policy_version)
 

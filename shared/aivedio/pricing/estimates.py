@@ -9,11 +9,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
+from typing import TYPE_CHECKING
 
-from aivedio.admission.models import GenerationRequest
 from aivedio.config import RESOLUTIONS, PlatformConfig
 from aivedio.errors import InvalidRequest
-from aivedio.media.probe import ProbedMedia
+
+if TYPE_CHECKING:  # the request and its probed inputs, which admission passes in: types only
+    from aivedio.admission.models import GenerationRequest
+    from aivedio.media.probe import ProbedMedia
 
 ESTIMATE_VERSION = 1
 

@@ -17,8 +17,7 @@ RELEASED and decrements in one. Each run:
 It never moves a reservation: the counter follows the facts, not the other way round."""
 from __future__ import annotations
 
-from aivedio import degraded
-from aivedio import audit
+from aivedio import audit, degraded
 from aivedio.observability import logger
 from aivedio.reconcile import room
 from aivedio.reconcile.room import Defaults, Report

@@ -47,13 +47,13 @@ from uuid import UUID
 import psycopg
 
 from aivedio import tasks
-from aivedio.tasks import ATTEMPT_FINAL
 from aivedio.billing.ledger import lock_wallet
 from aivedio.billing.reservations import release_remaining
 from aivedio.billing.settlement import SETTLEMENT_INPUT_PARKED, TERMINAL_EVENT_TYPES
 from aivedio.observability import logger
 from aivedio.reconcile.room import Defaults, Report, in_batches, tuning
 from aivedio.scheduling.resources import release_attempt
+from aivedio.tasks import ATTEMPT_FINAL
 
 NAME = "expired-reservations"
 # Every 5 minutes; a lease must be a minute past before its reservations are looked at.

@@ -25,10 +25,12 @@ Rows are taken in lease order, each under its task's row lock (SKIP LOCKED: a co
 own transaction is never waited for), one transaction per job."""
 from __future__ import annotations
 
+import os
+import signal
 from datetime import datetime
 from pathlib import Path
 
-from aivedio.media import pipeline
+from aivedio.media import batch, pipeline
 from aivedio.observability import logger
 from aivedio.reconcile.room import Defaults, Report, in_batches, tuning
 
@@ -67,9 +69,6 @@ def local_worker(ref: str, job: dict) -> str:
 
 
 def _kill(ref: str) -> None:
-    import os
-    import signal
-
     try:
         os.kill(int(ref.split(":", 1)[1]), signal.SIGKILL)
     except (OSError, ValueError):
@@ -79,8 +78,6 @@ def _kill(ref: str) -> None:
 def _batch_verdicts(platform, jobs: list[dict]) -> dict[str, dict | None]:
     """Batch job id -> the DescribeJobs entry (None: unknown to Batch), for the Batch refs of `jobs`;
     {} without Batch in this process."""
-    from aivedio.media import batch
-
     ids = [j["worker_ref"] for j in jobs if j["worker_ref"] and not j["worker_ref"].startswith("pid:")]
     if not ids or not batch.targets():
         return {}
@@ -116,8 +113,6 @@ def repair_one(platform, row: dict, described: dict[str, dict | None], now: date
         if job is None or job["state"] != "RUNNING" or job["fencing_token"] != row["fencing_token"]:
             return None  # its task is locked (a result being applied), or it moved on since the scan
         if batch_job is not None and lost_why is None:
-            from aivedio.media import batch
-
             _, s3 = batch.clients(platform.extras)
             result = batch.result_of_job(batch_job, s3)
             if result is None:  # still queued or running at Batch: it is bounded by Batch's own timeout

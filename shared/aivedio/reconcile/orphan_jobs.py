@@ -35,15 +35,15 @@ from decimal import Decimal
 from psycopg.types.json import Jsonb
 
 from aivedio.attempts.lifecycle import lock_job
-from aivedio.tasks import ATTEMPT_LIVE
-from aivedio.terminal_events import provider_charged
 from aivedio.attempts.review import ABANDON_JOB
 from aivedio.attempts.steps import absence_proven
-from aivedio.spend.costs import record_provider_cost
 from aivedio.observability import logger
 from aivedio.providers.adapter import Lookup, ProviderError, ProviderJob
 from aivedio.providers.registry import UnknownProvider, adapter
 from aivedio.reconcile.room import Defaults, Report, in_batches, tuning
+from aivedio.spend.costs import record_provider_cost
+from aivedio.tasks import ATTEMPT_LIVE
+from aivedio.terminal_events import provider_charged
 
 NAME = "orphan-jobs"
 # Every 5 minutes; each orphan asked at most every 30 minutes; UNMAPPED ones only after a day.

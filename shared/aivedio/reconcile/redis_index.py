@@ -18,6 +18,8 @@ who is visited. With Redis down the run does nothing but report it: the tick sch
 PostgreSQL meanwhile, and the next run after Redis answers repairs."""
 from __future__ import annotations
 
+from psycopg import sql
+
 from aivedio import health
 from aivedio.cache.client import CacheUnavailable
 from aivedio.reconcile import room
@@ -33,8 +35,6 @@ STILL_QUEUED = """select distinct tenant_id::text as t from generation_task
 
 
 def _lane_sql(lane: str):
-    from psycopg import sql
-
     return sql.SQL(STILL_QUEUED).format(lane=sql.Literal(lane))
 
 

@@ -40,12 +40,13 @@ from uuid import UUID
 import psycopg
 
 from aivedio import tasks
-# finish()'s own helpers, so a rebuilt payload cannot drift from a written one
-from aivedio.terminal_events import TERMINAL_EVENT, event_payload, provider_charged, usage_of
 from aivedio.billing.settlement import SETTLEMENT_INPUT_PARKED, TERMINAL_EVENT_TYPES, settle_in
 from aivedio.observability import logger
 from aivedio.providers.adapter import MalformedDocument, parse_job
 from aivedio.reconcile.room import Defaults, Report, in_batches, tuning
+
+# finish()'s own helpers, so a rebuilt payload cannot drift from a written one
+from aivedio.terminal_events import TERMINAL_EVENT, event_payload, provider_charged, usage_of
 
 NAME = "unsettled-terminals"
 # Every 2 minutes; a task is looked at 10 platform minutes after it finished (a settlement takes

@@ -5,8 +5,16 @@ credits held by reservations in flight. The scheduling tick publishes them, at m
 per process, since each costs a query."""
 from __future__ import annotations
 
-from aivedio.metrics_catalog import (BORROWED_UNITS, LANE_UTILISATION, OLDEST_WAIT_SECONDS, PROVIDER_UTILISATION,
-                                     QUEUE_DEPTH_TASKS, QUEUE_DEPTH_UNITS, RESERVED_CREDITS_IN_FLIGHT, RUNNING_UNITS)
+from aivedio.metrics_catalog import (
+    BORROWED_UNITS,
+    LANE_UTILISATION,
+    OLDEST_WAIT_SECONDS,
+    PROVIDER_UTILISATION,
+    QUEUE_DEPTH_TASKS,
+    QUEUE_DEPTH_UNITS,
+    RESERVED_CREDITS_IN_FLIGHT,
+    RUNNING_UNITS,
+)
 from aivedio.observability import due, publish
 from aivedio.policy.capacity import effective_config
 from aivedio.scheduling.resources import account_key

@@ -8,26 +8,27 @@ transaction that locks the tenant's DRR row (SKIP LOCKED, so replicas never serv
 at once), claims under savepoints, and stores the new deficit with the claims it paid for."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
 from datetime import datetime, timedelta
+from typing import Callable, TypeVar
 from uuid import UUID
 
 import psycopg
 from psycopg.types.json import Jsonb
 
 from aivedio import degraded
-from aivedio.policy import capacity
-from aivedio.policy.tenant_policy import POLICY_EPOCH, admitted_service_class
-from aivedio.spend import budgets
-from aivedio.spend.budgets import BudgetExceeded, CurrencyMismatch
 from aivedio.metrics_catalog import CLAIMS, FIT_SCAN_SKIPS, QUEUE_WAIT_SECONDS
 from aivedio.observability import logger, publish
+from aivedio.policy import capacity
+from aivedio.policy.tenant_policy import POLICY_EPOCH, admitted_service_class
 from aivedio.scheduling import drr, resources, router
 from aivedio.scheduling.claim import ENTERPRISE, LENDER_KEY, Claimed, NoRoom, claim
 from aivedio.scheduling.resources import account_key, free_units, preferred_shard
 from aivedio.scheduling.ring import DOWN, MISSING, READY, Ring
+from aivedio.spend import budgets
+from aivedio.spend.budgets import BudgetExceeded, CurrencyMismatch
 
 # Lanes whose tasks may borrow the enterprise lane's idle capacity (bounded by borrowable_units).
 BORROWERS = ("PAID_SHARED", "STANDARD")
@@ -654,8 +655,6 @@ class Scheduler:
             "next_eligible_at": eligible.isoformat()})
 
     def _intervene(self, conn, lane: str, task: dict, kind: str, detail: dict) -> None:
-        import json
-
         conn.execute(
             """insert into scheduler_intervention (lane, tenant_id, task_id, kind, detail)
                select %s, %s, %s, %s, %s

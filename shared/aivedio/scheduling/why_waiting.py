@@ -21,16 +21,24 @@ import psycopg
 from psycopg import sql
 
 from aivedio import degraded
-from aivedio.scheduling import queue_stats
-from aivedio.spend import budgets
 from aivedio.cache.client import CacheUnavailable
 from aivedio.errors import NotFound
-from aivedio.scheduling import drr, router
+from aivedio.scheduling import drr, queue_stats, router
 from aivedio.scheduling.claim import LENDER_KEY, NoRoom, claim_demands, tenant_demands
 from aivedio.scheduling.resources import rooms
 from aivedio.scheduling.ring import DISABLED, DOWN, READY, Ring, active_tenants_pg
-from aivedio.scheduling.scheduler import (PAUSED_WHEN_CONSERVATIVE, LaneView, PoolTurn, Scheduler, _policy, budget_no_room,
-                                          claim_options, first_fit, pool_of)
+from aivedio.scheduling.scheduler import (
+    PAUSED_WHEN_CONSERVATIVE,
+    LaneView,
+    PoolTurn,
+    Scheduler,
+    _policy,
+    budget_no_room,
+    claim_options,
+    first_fit,
+    pool_of,
+)
+from aivedio.spend import budgets
 
 # binding_limit codes
 NOT_YET_ELIGIBLE = "NOT_YET_ELIGIBLE"  # backoff after a provider 429, a deferral (a spent project budget)

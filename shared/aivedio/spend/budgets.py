@@ -25,6 +25,7 @@ are in other currencies raises CurrencyMismatch. PostgreSQL decides; a Redis mir
 may pre-filter but never overrules it."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -34,6 +35,8 @@ import psycopg
 
 from aivedio import audit
 from aivedio.auth import validate_project
+from aivedio.cache.client import CacheUnavailable
+from aivedio.caching import cached
 from aivedio.config import BillingConfig
 from aivedio.errors import Conflict, DomainError, InvalidRequest, NotFound
 from aivedio.metrics_catalog import BUDGET_ALERTS, BUDGET_REFUSALS
@@ -307,10 +310,6 @@ def in_force(platform, conn=None) -> bool:
     """Whether any budget is in force, cached for a moment per process: with none (the usual
     case) admission and the claim pay nothing for budgets. `conn`: the caller's transaction, read
     on when the cache is stale (a claim holding shard locks must not wait for the pool)."""
-    from contextlib import nullcontext
-
-    from aivedio.caching import cached
-
     def load() -> bool:
         now = platform.clock.now()
         with (nullcontext(conn) if conn is not None else platform.db.connection()) as c:
@@ -373,8 +372,6 @@ def _mirror_key(cache, scope_type: str, scope_id: str) -> str:
 
 
 def mirror_write(cache, scope_type: str, scope_id: str, rows: list[dict]) -> None:
-    from aivedio.cache.client import CacheUnavailable
-
     mine = [b for b in rows if (b["scope_type"], b["scope_id"]) == (scope_type, scope_id)]
     worst = max((float(usage_pct(b)) for b in mine), default=0.0)
     try:
@@ -386,8 +383,6 @@ def mirror_write(cache, scope_type: str, scope_id: str, rows: list[dict]) -> Non
 def mirror_clear(cache, tenant_id: UUID, config: BillingConfig, *, project: str | None = None) -> bool:
     """True when the mirror alone shows every budget of the admission scopes below the restrict
     level; False means: ask PostgreSQL."""
-    from aivedio.cache.client import CacheUnavailable
-
     try:
         values = cache.run(cache.r.mget, [_mirror_key(cache, *s) for s in admission_scopes(tenant_id, project)])
     except CacheUnavailable:

@@ -90,13 +90,13 @@ class S3Archive:
     def __init__(self, bucket: str, client=None):
         self.bucket = bucket
         if client is None:
-            import boto3
+            import boto3  # lazy: boto3 takes most of a second to import, and only the AWS path needs it
 
             client = boto3.client("s3")
         self.client = client
 
     def put(self, key: str, data: bytes, content_type: str = "application/json") -> Stored:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import ClientError  # lazy: boto3's, as above
 
         digest = sha256_hex(data)
         location = f"s3://{self.bucket}/{key}"

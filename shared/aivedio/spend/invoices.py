@@ -58,13 +58,18 @@ from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any, Iterator
 
+from psycopg.types.json import Jsonb
+
+from aivedio import audit
 from aivedio.errors import Conflict, DomainError, InvalidRequest, NotFound
 from aivedio.metrics_catalog import RECONCILIATION_BREAKS, RECONCILIATION_OPEN_ITEMS, UNRECONCILED_COST
 from aivedio.observability import logger, publish
+from aivedio.providers import registry
+from aivedio.providers.adapter import ProviderError
+from aivedio.reconcile.room import Defaults, Report, tuning
 from aivedio.spend import invoice_matching as items
 from aivedio.spend import invoice_report as report
 from aivedio.spend.invoice_archive import archive_for, content_key, sha256_hex
-from aivedio.reconcile.room import Defaults, Report, tuning
 
 NAME = "invoice-reconcile"
 # Hourly: a day already COMPLETE reruns to nothing new; one the provider failed completes within the hour after
@@ -255,8 +260,6 @@ class Fetched:
 
 def _fetch(provider: str, account_id: str, day: date, adapter, archive) -> Fetched:
     """One document: fetched, archived, parsed. Every failure becomes a status with its evidence."""
-    from aivedio.providers.adapter import ProviderError
-
     if isinstance(adapter, Exception):
         return Fetched(account_id, day, "ERROR", [], [], evidence={"reason": "no_adapter", "http_status": None,
                                                                    "error": str(adapter)})
@@ -353,8 +356,6 @@ class DayResult:
 
 def reconcile_day(platform, provider: str, day: date, *, now: datetime | None = None) -> DayResult:
     """Reconcile one provider's invoice for one UTC day (the module docstring says how)."""
-    from aivedio.providers import registry
-
     pc = platform.config.provider(provider)
     if pc is None:
         raise _unknown_provider(platform, provider)
@@ -424,8 +425,6 @@ def reconcile_day(platform, provider: str, day: date, *, now: datetime | None = 
 def _fail(platform, provider: str, day: date, run_id, reasons: list[dict], e: Exception, now: datetime) -> None:
     """Finish a run that an unexpected error stopped: INCOMPLETE, the error its evidence (the reasons found
     before it too). What its batches committed stands; a rerun carries on from there."""
-    from psycopg.types.json import Jsonb
-
     error = f"{type(e).__name__}: {e}"[:EVIDENCE_BODY_CHARS]
     failed = [*reasons, _reason("RUN_FAILED", "the run stopped on an unexpected error; what it had not reached waits for "
                                 "a rerun", error=error, traceback=traceback.format_exc()[-3000:])]
@@ -458,8 +457,6 @@ def _import(platform, ctx: items.Ctx, tally: items.Tally, f: Fetched) -> None:
 
 def _finish(conn, ctx: items.Ctx, tally: items.Tally, currency: str, reasons: list[dict], previous_open: int,
             cursor: date | None, days: list[date]) -> dict:
-    from psycopg.types.json import Jsonb
-
     reasons = list(reasons)  # this transaction may run again: it adds to a copy
     figures = items.day_figures(conn, ctx.provider, ctx.day, currency)
     open_now = conn.execute(OPEN_ITEMS, {"provider": ctx.provider}).fetchone()["n"]
@@ -614,10 +611,6 @@ def close_month(platform, provider: str, month: date, *, operator: str, allow_in
                 reason: str | None = None) -> dict:
     """Freeze a provider's month (needs invoice.close; audited). Refused while the month is not over, when
     it is closed already, and, unless `allow_incomplete` (with a reason), when a day of it has no COMPLETE run."""
-    from psycopg.types.json import Jsonb
-
-    from aivedio import audit
-
     pc = platform.config.provider(provider)
     if pc is None:
         raise _unknown_provider(platform, provider)

@@ -32,9 +32,9 @@ from uuid import UUID
 import psycopg
 
 from aivedio import audit
+from aivedio.errors import InvalidRequest
 from aivedio.spend import parked
 from aivedio.spend.costs import QUANTUM, MediaCost, record_media_costs
-from aivedio.errors import InvalidRequest
 
 SOURCE = "aws-cur"
 LINE_ITEM_ID = "identity/LineItemId"

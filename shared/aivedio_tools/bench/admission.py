@@ -29,11 +29,24 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
+from aivedio.admin.tenants import create_tenant
+from aivedio.admission.decisions import Rejected
+from aivedio.admission.models import GenerationRequest
+from aivedio.admission.service import admit
+from aivedio.auth import Caller, issue_key
+from aivedio.billing import allowances
+from aivedio.cache.client import Cache
+from aivedio.config import PlatformConfig, Settings
+from aivedio.context import build_platform
+from aivedio.events_routing import RELAY
 from aivedio_tools.bench.http_load import run_load
-from aivedio_tools.bench.pgbench import with_database
+from aivedio_tools.bench.pgbench import pgbench_database, run_on, with_database
+from aivedio_tools.bench.pgcpu import BackendCpu, Vacuuming
+from aivedio_tools.bench.profile import profile_admission
+from aivedio_tools.bench.rounds import alternate, spread
 from aivedio_tools.bench.scratch import OPEN_LIMITS, scratch_database
 from aivedio_tools.bench.workers import get_or_fail, join_or_kill, quiet_children, raise_first_error
-from aivedio.config import PlatformConfig, Settings
+from aivedio_tools.local.api_workers import ApiWorkers
 
 DATABASE_PREFIX = "aivedio_bench_adm_"
 BODY = {"model": "video-model-x", "mode": "text_to_video", "prompt": "bench", "duration_seconds": 5, "resolution": "720p"}
@@ -70,11 +83,6 @@ def seeded_template(admin_url: str, *, tenants: int, users: int, hot_slots: int 
     """The template: `tenants` tenants with a wallet each, and one tenant with `users` users on
     one wallet (partitioned into `hot_slots` slots; 0: not partitioned), every limit open and credit
     for far more than any run admits."""
-    from aivedio.admin.tenants import create_tenant
-    from aivedio.auth import issue_key
-    from aivedio.billing import allowances
-    from aivedio.context import build_platform
-
     with scratch_database(admin_url, prefix=DATABASE_PREFIX + "tpl_") as url:
         p = build_platform(Settings(database_url=url, redis_url="none"), PlatformConfig(), pool_size=2)
         try:
@@ -174,8 +182,6 @@ def _redis_prefix() -> str:
 
 def _drop_prefix(redis_url: str | None, prefix: str) -> None:
     if redis_url:
-        from aivedio.cache.client import Cache
-
         c = Cache(redis_url, prefix)
         try:
             c.delete_prefix()
@@ -187,12 +193,6 @@ def _drop_prefix(redis_url: str | None, prefix: str) -> None:
 
 def _admit_worker(settings_json: str, clients: list[tuple[str, str]], index: int, seconds: float, ready, go, out) -> None:
     """One process calling admit() in a closed loop, round-robin over its clients (tenant, user)."""
-    from aivedio.admission.decisions import Rejected
-    from aivedio.admission.models import GenerationRequest
-    from aivedio.admission.service import admit
-    from aivedio.auth import Caller
-    from aivedio.context import build_platform
-
     p = None
     try:
         p = build_platform(Settings.model_validate_json(settings_json), PlatformConfig(), pool_size=2)
@@ -232,8 +232,6 @@ def _admit_worker(settings_json: str, clients: list[tuple[str, str]], index: int
 def run_in_process(admin_url: str, redis_url: str | None, template: str, clients: list[Client], *, workers: int,
                    seconds: float) -> dict:
     """`workers` processes calling admit() for `seconds` on a clone of the template."""
-    from aivedio_tools.bench.pgcpu import BackendCpu, Vacuuming
-
     prefix = _redis_prefix()
     with clone(admin_url, template) as url:
         settings = Settings(database_url=url, redis_url=redis_url or "none", redis_prefix=prefix)
@@ -280,11 +278,6 @@ def run_http(admin_url: str, redis_url: str | None, template: str, clients: list
              seconds: float, half_load: bool = True) -> dict:
     """`aivedio serve --api-workers workers`'s API (ApiWorkers) on a clone of the template: warm-up,
     then `load_clients` closed-loop clients for `seconds`, then half that rate open-loop."""
-    from aivedio_tools.bench.pgcpu import BackendCpu, Vacuuming
-    from aivedio.context import build_platform
-    from aivedio.events_routing import RELAY
-    from aivedio_tools.local.api_workers import ApiWorkers
-
     prefix = _redis_prefix()
     keys = [c.api_key for c in clients]
     with clone(admin_url, template) as url:
@@ -346,10 +339,6 @@ def _compact(run: dict) -> dict:
 def bench_admission(admin_url: str, redis_url: str | None, *, workers: int, clients: int, seconds: float, rounds: int = 3,
                     tenants: int = 40, users: int = 40, pgbench_scale: int = 10, profile_admissions: int = 200,
                     hot_slots: int = 16) -> dict:
-    from aivedio_tools.bench.pgbench import pgbench_database, run_on
-    from aivedio_tools.bench.profile import profile_admission
-    from aivedio_tools.bench.rounds import alternate, spread
-
     with seeded_template(admin_url, tenants=tenants, users=users, hot_slots=hot_slots) as seeded, \
             pgbench_database(admin_url, scale=pgbench_scale) as pg_url:
         with clone(admin_url, seeded.template) as url, quiet_children():  # its log lines too

@@ -25,19 +25,38 @@ from __future__ import annotations
 import bisect
 import http.client
 import json
+import logging
 import multiprocessing as mp
 import time
 import uuid
 from collections import deque
 from contextlib import contextmanager
 from datetime import datetime
+from urllib.parse import urlsplit
 
-from aivedio_tools.bench.scratch import (CAP, OPEN_LIMITS, SCHEDULER_DATABASE_PREFIX, SCHEDULER_REDIS_PREFIX, percentile,
-                                         scratch_database)
-from aivedio_tools.bench.workers import get_or_fail, join_or_kill, raise_first_error
-from aivedio.config import (LaneConfig, Limits, PlatformConfig, Pools, ProviderAccount, ProviderConfig, Settings,
-                            SimulatorBehaviour)
+from aivedio.admin.tenants import create_tenant
+from aivedio.config import (
+    LaneConfig,
+    Limits,
+    PlatformConfig,
+    Pools,
+    ProviderAccount,
+    ProviderConfig,
+    Settings,
+    SimulatorBehaviour,
+)
+from aivedio.context import build_platform
 from aivedio.observability import logger
+from aivedio_tools.bench.scratch import (
+    CAP,
+    OPEN_LIMITS,
+    SCHEDULER_DATABASE_PREFIX,
+    SCHEDULER_REDIS_PREFIX,
+    percentile,
+    scratch_database,
+)
+from aivedio_tools.bench.workers import get_or_fail, join_or_kill, raise_first_error
+from aivedio_tools.local.runtime import LocalRuntime
 
 OPEN_PROVIDER, BOUND_PROVIDER = "sim-open", "sim-bound"
 OPEN_MODEL, BOUND_MODEL = "video-model-x", "video-model-y"
@@ -69,8 +88,6 @@ def latency_config(*, bound_slots: int) -> PlatformConfig:
 def _client(base_url: str, keys: list[str], model: str, seconds: float, rate: float, seed: int, out: mp.Queue) -> None:
     """Posts generations for `seconds` at `rate` per second; reports each accepted task id with the
     wall-clock time its 202 arrived."""
-    from urllib.parse import urlsplit
-
     u = urlsplit(base_url)
     assert u.hostname in ("127.0.0.1", "localhost", "::1"), "bench traffic stays on loopback"
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
@@ -221,8 +238,6 @@ def _releases(conn, provider: str) -> list[float]:
 @contextmanager
 def _quiet():
     """Structured logs and the standard loggers (httpx logs every request at INFO) at WARNING."""
-    import logging
-
     root, level = logging.getLogger(), logger.log_level
     root_level = root.level
     logger.setLevel("WARNING")
@@ -241,10 +256,6 @@ def bench_latency(admin_url: str, redis_url: str | None, *, seconds: float = 10.
     """Half of `seconds` (at most 20 in all) for each measurement, one after the other, on one
     runtime, each under `rate` admissions per second from `clients` processes. The bound account
     runs bound_slots / mean(JOB_SECONDS) jobs a second: keep it below `rate`, so work queues."""
-    from aivedio.admin.tenants import create_tenant
-    from aivedio.context import build_platform
-    from aivedio_tools.local.runtime import LocalRuntime
-
     seconds = min(seconds, 20.0)
     window = seconds / 2
     config = latency_config(bound_slots=bound_slots)

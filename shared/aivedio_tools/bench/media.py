@@ -14,6 +14,7 @@ baseline), and `workers` jobs run at once, so throughput is divided by workers x
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import resource
@@ -29,7 +30,9 @@ from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from aivedio.media.probe import measure
 from aivedio_tools.bench.rounds import DEFAULT_ROUNDS, alternate, spread
+from aivedio_tools.provider_sim import make_mp4
 
 CLIP_HEIGHTS = {"480p": (854, 480), "720p": (1280, 720), "1080p": (1920, 1080), "4k": (3840, 2160)}
 
@@ -46,14 +49,12 @@ def ffmpeg_path() -> str:
     found = os.environ.get("AIVEDIO_FFMPEG") or shutil.which("ffmpeg")
     if found:
         return found
-    import imageio_ffmpeg
+    import imageio_ffmpeg  # lazy: the dev extra's FFmpeg, only without one on PATH
 
     return imageio_ffmpeg.get_ffmpeg_exe()
 
 
 def _load_worker(path: Path):
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("aivedio_bench_gpu_render_worker", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -65,8 +66,6 @@ def make_clip(path: Path, *, ffmpeg: str, resolution: str, duration_seconds: flo
     """"pattern": FFmpeg's testsrc2 at 24 fps with a tone (moving, so the encode does real work);
     "simulator": the provider simulator's own output (a flat frame at 2 fps, AAC silence)."""
     if source == "simulator":
-        from aivedio_tools.provider_sim import make_mp4
-
         path.write_bytes(make_mp4(duration_seconds, resolution, True))
         return
     if source != "pattern":
@@ -129,7 +128,6 @@ def bench_media(seconds: float | None = 10.0, clips: int | None = None, *, round
     try:
         clip = base / "clip.mp4"
         make_clip(clip, ffmpeg=ffmpeg, resolution=resolution, duration_seconds=duration_seconds, source=source)
-        from aivedio.media.probe import measure
 
         facts = measure(str(clip))
         server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(base)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +12,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 from psycopg import sql
+
+from aivedio_tools.bench.pgcpu import BackendCpu, Vacuuming
 
 
 def find_pgbench() -> str | None:
@@ -43,8 +46,6 @@ DATABASE = "aivedio_bench_pgbench"  # the prefix of each run's database
 def pgbench_database(admin_url: str, *, scale: int = 10) -> Iterator[str | None]:
     """A pgbench database initialised once (pgbench -i), for several runs; its URL, or None when
     pgbench is not installed. Dropped afterwards."""
-    import uuid
-
     exe = find_pgbench()
     if exe is None:
         yield None
@@ -63,8 +64,6 @@ def pgbench_database(admin_url: str, *, scale: int = 10) -> Iterator[str | None]
 
 def run_on(admin_url: str, url: str | None, *, clients: int, seconds: float, scale: int = 10) -> dict:
     """One tpcb-like run on a database of pgbench_database, with its backends' CPU per transaction."""
-    from aivedio_tools.bench.pgcpu import BackendCpu, Vacuuming
-
     exe = find_pgbench()
     if exe is None or url is None:
         return {"error": "pgbench not found"}

@@ -18,6 +18,13 @@ import uuid
 from contextlib import contextmanager
 
 import psycopg
+
+from aivedio.admin.tenants import create_tenant
+from aivedio.admission.models import GenerationRequest
+from aivedio.admission.service import admit
+from aivedio.auth import Caller
+from aivedio.config import PlatformConfig, Settings
+from aivedio.context import build_platform
 from aivedio_tools.bench.scratch import OPEN_LIMITS
 
 BODY = {"model": "video-model-x", "mode": "text_to_video", "prompt": "bench", "duration_seconds": 5, "resolution": "720p"}
@@ -69,18 +76,11 @@ def _timed_waits(acc: dict):
 
 def profile_admission(db_url: str, redis_url: str | None, *, n: int = 200, warmup: int = 20) -> dict:
     """Per-admission statements, round trips and time split, on the scratch database `db_url`."""
-    from aivedio.admin.tenants import create_tenant
-    from aivedio.admission.models import GenerationRequest
-    from aivedio.admission.service import admit
-    from aivedio.config import PlatformConfig, Settings
-    from aivedio.context import build_platform
-
     settings = Settings(database_url=db_url, redis_url=redis_url or "none", redis_prefix=f"prof{uuid.uuid4().hex[:6]}")
     p = build_platform(settings, PlatformConfig(), pool_size=1)  # one connection: every statement is traced
     try:
         t = create_tenant(p, name=f"profile-{uuid.uuid4().hex[:6]}", service_class="PAID_SHARED", weight=1, credits=10**9,
                           policy_overrides=OPEN_LIMITS, trusted=True)
-        from aivedio.auth import Caller
 
         caller = Caller(t.tenant_id, t.user_id, "OWNER", None)
         req = GenerationRequest(**BODY)

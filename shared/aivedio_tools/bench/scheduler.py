@@ -22,16 +22,23 @@ afterwards."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import statistics
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
-from aivedio_tools.bench.scratch import (CAP, SCHEDULER_DATABASE_PREFIX, SCHEDULER_REDIS_PREFIX, percentile,
-                                         scratch_database)
-from aivedio_tools.bench.workers import get_or_fail, join_or_kill, raise_first_error
-from aivedio.config import LaneConfig, Limits, Pools, PlatformConfig, ProviderAccount, ProviderConfig, Settings
+from aivedio.config import LaneConfig, Limits, PlatformConfig, Pools, ProviderAccount, ProviderConfig, Settings
+from aivedio.context import build_platform, set_platform
 from aivedio.observability import logger
+from aivedio.scheduling.resources import ensure_platform_pools
+from aivedio.scheduling.ring import Ring
+from aivedio.scheduling.scheduler import LaneView, Scheduler
+from aivedio_tools.bench.latency import bench_latency
+from aivedio_tools.bench.pgbench import pgbench_database, run_on
+from aivedio_tools.bench.rounds import alternate, spread
+from aivedio_tools.bench.scratch import CAP, SCHEDULER_DATABASE_PREFIX, SCHEDULER_REDIS_PREFIX, percentile, scratch_database
+from aivedio_tools.bench.workers import get_or_fail, join_or_kill, raise_first_error
 
 LANE = "PAID_SHARED"
 BIG = 10**12
@@ -115,8 +122,6 @@ def seed_tasks(conn, per_tenant: int, *, units: int = TASK_BASE_UNITS, tag: str 
 
 
 def prepare_database(conn, config: PlatformConfig) -> None:
-    from aivedio.scheduling.resources import ensure_platform_pools
-
     with conn.transaction():
         ensure_platform_pools(conn, config)
 
@@ -140,8 +145,6 @@ def db_counts(conn) -> dict:
 @contextmanager
 def bench_platform(admin_url: str, redis_url: str | None, pool_size: int = 4):
     """A scratch database with the benchmark config and a Redis prefix of its own; both dropped after."""
-    from aivedio.context import build_platform
-
     prefix = f"{SCHEDULER_REDIS_PREFIX}{uuid.uuid4().hex[:6]}"
     config = bench_config()
     with scratch_database(admin_url, prefix=SCHEDULER_DATABASE_PREFIX) as db_url:
@@ -158,8 +161,6 @@ def bench_platform(admin_url: str, redis_url: str | None, pool_size: int = 4):
 
 
 def build_ring(p, lane: str = LANE) -> float:
-    from aivedio.scheduling.ring import Ring
-
     t0 = time.perf_counter()
     with p.db.connection() as conn:
         Ring(p).rebuild(conn, lane)
@@ -170,9 +171,6 @@ def build_ring(p, lane: str = LANE) -> float:
 
 def _tick_worker(settings_json: str, config_json: str, warm: float, seconds: float, ready: mp.Queue, go, out: mp.Queue,
                  release) -> None:
-    from aivedio.context import build_platform, set_platform
-    from aivedio.scheduling.scheduler import Scheduler
-
     settings = Settings.model_validate_json(settings_json)
     p = build_platform(settings, PlatformConfig.model_validate_json(config_json), pool_size=2)
     set_platform(p)
@@ -213,8 +211,6 @@ def _backends(conn) -> list[int]:
 def _backend_cpu(pids: list[int]) -> dict[int, float] | None:
     """CPU seconds (user + system) each PostgreSQL backend has used, read from /proc: only when the
     server runs on this machine and its processes are readable; None otherwise."""
-    import os
-
     out = {}
     for pid in pids:
         try:
@@ -290,8 +286,6 @@ class _PickEnv:
     """One tenant count: its scratch database, ring and scheduler, and the pick timings taken on it."""
 
     def __init__(self, p, tenants: int, setup_s: float, ring_s: float | None):
-        from aivedio.scheduling.scheduler import LaneView, Scheduler
-
         self.p, self.tenants, self.setup_s, self.ring_s = p, tenants, setup_s, ring_s
         self.sched = Scheduler(p)
         with p.db.connection() as conn:
@@ -347,8 +341,6 @@ def bench_pick_cost(admin_url: str, redis_url: str | None, *, sizes=(10, 1000, 1
     """Every size is set up first, then the picks are interleaved (one at each size in turn), so
     whatever else the machine does at a moment weighs on every size alike. The picks are `rounds`
     consecutive rounds; each ratio is the median of the rounds' ratios, their spread beside it."""
-    from contextlib import ExitStack
-
     use_redis = redis_url is not None
     with ExitStack() as stack:
         envs = [_pick_env(stack, admin_url, redis_url, n) for n in sizes]
@@ -377,8 +369,6 @@ def bench_pick_cost(admin_url: str, redis_url: str | None, *, sizes=(10, 1000, 1
 
 def _pick_rounds(small: list[float], large: list[float], rounds: int) -> dict:
     """The median and p90 ratios (large over small) of each of `rounds` consecutive chunks of picks."""
-    from aivedio_tools.bench.rounds import spread
-
     n = len(small)
     cuts = [(n * i // rounds, n * (i + 1) // rounds) for i in range(rounds)]
     med, p90 = [], []
@@ -394,8 +384,6 @@ def _pick_rounds(small: list[float], large: list[float], rounds: int) -> dict:
 # -- 3. claim rate against queue depth -----------------------------------------------------------------
 
 def _depth_env(stack, admin_url: str, redis_url: str | None, *, tenants: int, queued: int) -> dict:
-    from aivedio.scheduling.scheduler import Scheduler
-
     p = stack.enter_context(bench_platform(admin_url, redis_url, pool_size=2))
     t0 = time.perf_counter()
     with p.db.connection() as conn:
@@ -417,10 +405,6 @@ def bench_queue_depth(admin_url: str, redis_url: str | None, *, tenants: int = 1
     """One scheduler process per setting, same tenants and config. Ticks of `budget` seconds
     alternate between the two settings until each has made at least `claims` claims, in `rounds`
     rounds of claims / rounds each; the ratio is the median of the rounds' ratios."""
-    from contextlib import ExitStack
-
-    from aivedio_tools.bench.rounds import spread
-
     with ExitStack() as stack:
         envs = [_depth_env(stack, admin_url, redis_url, tenants=tenants, queued=q) for q in (small, large)]
         for e in envs:
@@ -473,11 +457,6 @@ def bench_scheduler(admin_url: str, redis_url: str | None, *, workers: int, seco
     """All four: claims/s in `rounds` alternating rounds with pgbench's tpcb-like TPS on the same
     server (the ratio their median), then pick cost and queue depth in rounds of their own, then
     latency. The load average is recorded at each step: other work on the machine moves every figure."""
-    import os
-
-    from aivedio_tools.bench.pgbench import pgbench_database, run_on
-    from aivedio_tools.bench.rounds import alternate, spread
-
     load = {"start": os.getloadavg()[0]}
     clients = pgbench_clients or workers
     with pgbench_database(admin_url) as pg_url:
@@ -497,7 +476,6 @@ def bench_scheduler(admin_url: str, redis_url: str | None, *, workers: int, seco
     load["after_pick_cost"] = os.getloadavg()[0]
     report["queue_depth"] = bench_queue_depth(admin_url, redis_url, rounds=rounds)
     load["after_queue_depth"] = os.getloadavg()[0]
-    from aivedio_tools.bench.latency import bench_latency
 
     report["latency"] = bench_latency(admin_url, redis_url, seconds=seconds)
     load["after_latency"] = os.getloadavg()[0]

@@ -19,10 +19,17 @@ import time
 import uuid
 from datetime import datetime, timezone
 
+from aivedio.admin.tenants import create_tenant
+from aivedio.config import PlatformConfig, Settings
+from aivedio.context import build_platform, set_platform
+from aivedio.observability import logger
+from aivedio.pricing import price_book
+from aivedio_tools.bench.pgbench import pgbench_database, run_on
+from aivedio_tools.bench.rounds import alternate, spread
 from aivedio_tools.bench.scratch import scratch_database
 from aivedio_tools.bench.workers import join_or_kill, raise_first_error
-from aivedio.config import PlatformConfig, Settings
-from aivedio.observability import logger
+from aivedio_tools.local.handlers import load_handler
+from aivedio_tools.local.lambda_context import FakeLambdaContext
 
 DATABASE_PREFIX = "aivedio_bench_settle_"
 BATCH = 10  # SQS's default batch size for a Lambda event source
@@ -89,10 +96,6 @@ def _worker(settings_json: str, tasks: list[tuple[str, str, str]], seconds: floa
     """One Lambda instance of the settlement function: SQS batches through the real handler until
     the time is up or its tasks run out."""
     try:
-        from aivedio.context import build_platform, set_platform
-        from aivedio_tools.local.lambda_context import FakeLambdaContext
-        from aivedio_tools.local.handlers import load_handler
-
         lambda_handler = load_handler("functions.settlement.handler")
 
         p = build_platform(Settings.model_validate_json(settings_json), PlatformConfig(), pool_size=1)
@@ -131,10 +134,6 @@ def _worker(settings_json: str, tasks: list[tuple[str, str, str]], seconds: floa
 
 def bench_settlement(admin_url: str, *, workers: int, seconds: float, tenants: int = 64, tasks: int | None = None) -> dict:
     """Settlements per second with `workers` processes for `seconds`."""
-    from aivedio.admin.tenants import create_tenant
-    from aivedio.context import build_platform
-    from aivedio.pricing import price_book
-
     tasks = tasks or max(2000, int(1200 * seconds * workers / 2))  # more than the workers can settle in the time
     per_tenant = -(-tasks // tenants)
     with scratch_database(admin_url, prefix=DATABASE_PREFIX) as db_url:
@@ -208,9 +207,6 @@ def bench_settlement_rounds(admin_url: str, *, workers: int, seconds: float, rou
     """bench_settlement, then pgbench tpcb-like with as many clients on the same server, `rounds`
     times; the ratio is the median of the rounds' ratios, its spread beside it. The other figures
     are the last round's."""
-    from aivedio_tools.bench.pgbench import pgbench_database, run_on
-    from aivedio_tools.bench.rounds import alternate, spread
-
     with pgbench_database(admin_url) as pg_url:
         got = alternate(lambda i: bench_settlement(admin_url, workers=workers, seconds=seconds),
                         lambda i: run_on(admin_url, pg_url, clients=workers, seconds=seconds),

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import queue
+import time
 from contextlib import contextmanager
 
 
@@ -37,9 +39,6 @@ def raise_first_error(results: list[dict], what: str) -> None:
 
 def get_or_fail(q, procs, timeout: float, what: str):
     """q.get, but fail at once when a worker died instead of waiting out the timeout."""
-    import queue
-    import time
-
     end = time.monotonic() + timeout
     while True:
         try:

@@ -55,9 +55,9 @@ from typing import Any
 
 from aivedio.billing import policies
 from aivedio.billing.ledger import SNAPSHOT_COLUMNS
-from aivedio_tools.chaos.records import FAIL, OK, Op, Run
 from aivedio.tasks import ATTEMPT_LIVE, STATES, TERMINAL, TRANSITIONS
 from aivedio.terminal_events import TERMINAL_EVENT
+from aivedio_tools.chaos.records import FAIL, OK, Op, Run
 
 MAX_EXCERPT = 10  # records in one violation's excerpt
 MAX_VIOLATIONS = 25  # per checker; the rest are counted in one last violation

@@ -24,6 +24,13 @@ from typing import Any
 
 import psycopg
 
+from aivedio.config import PlatformConfig, Settings
+from aivedio.context import build_platform, set_platform
+from aivedio.events_routing import SCHEDULES
+from aivedio.observability import logger
+from aivedio_tools.local.handlers import api_server
+from aivedio_tools.local.runtime import LocalRuntime, Loop, scheduled
+
 ROLE_LOOPS = {
     "scheduler": ("scheduler-tick",),
     "dispatcher": ("outbox-relay", "attempt-recovery"),
@@ -33,8 +40,6 @@ START_RETRIES = 5
 
 
 def loops_of(role: str, index: int) -> tuple[str, ...]:
-    from aivedio.events_routing import SCHEDULES
-
     if role == "reconciler":
         taken = {n for names in ROLE_LOOPS.values() for n in names} | {"scheduler-maintenance", *NOT_IN_CHAOS}
         return tuple(s.name for s in SCHEDULES if s.name not in taken)
@@ -73,11 +78,6 @@ def main(argv: list[str]) -> int:
     spec: dict[str, Any] = json.loads(open(spec_path).read())
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s {role}-{index}[%(process)d] %(name)s %(message)s")
-    from aivedio.config import PlatformConfig, Settings
-    from aivedio.context import build_platform, set_platform
-    from aivedio_tools.local.handlers import api_server
-    from aivedio_tools.local.runtime import Loop, LocalRuntime, scheduled
-    from aivedio.observability import logger
 
     logger.setLevel("WARNING")
     stop = threading.Event()
@@ -92,8 +92,6 @@ def main(argv: list[str]) -> int:
         server = api_server("127.0.0.1", spec["api_port"], reuse_port=True)
         server.start()
     else:
-        from aivedio.events_routing import SCHEDULES
-
         names = loops_of(role, index)
         loops = [Loop(s.name, s.local_interval(config), scheduled(s.name, s.module, s.payload)) for s in SCHEDULES if s.name in names]
         platform.extras["callback_base_url"] = spec["api_url"]

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import random
+import selectors
 import signal
 import subprocess
 import sys
@@ -36,11 +37,27 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
+from aivedio.admin.tenants import create_tenant
+from aivedio.bootstrap import apply_config
+from aivedio.config import (
+    LaneConfig,
+    MediaConfig,
+    PlatformConfig,
+    ProviderAccount,
+    ProviderConfig,
+    SchedulerConfig,
+    Settings,
+    SimulatorBehaviour,
+    Timers,
+)
+from aivedio.context import build_platform
+from aivedio.db.migrate import migrate, schema_fingerprint
 from aivedio.faults import failpoints, safeguards
+from aivedio_tools.chaos import checkers, db_faults, facts, proxy, records, redis_faults
 from aivedio_tools.chaos import plan as plans
+from aivedio_tools.chaos.redis_server import RedisServer, free_port
 from aivedio_tools.chaos.workload import History, Workload
-from aivedio.config import (LaneConfig, MediaConfig, PlatformConfig, ProviderAccount, ProviderConfig, SchedulerConfig,
-                            SimulatorBehaviour, Timers)
+from aivedio_tools.provider_sim import SimulatorServer
 
 log = logging.getLogger("aivedio_tools.chaos")
 
@@ -112,8 +129,6 @@ def _via(url: str, port: int) -> str:
 
 def create_database(admin_url: str, label: str) -> str:
     """A fresh migrated database, cloned from a template of the current schema (made once)."""
-    from aivedio.db.migrate import migrate, schema_fingerprint
-
     template = f"aivedio_chaos_tpl_{schema_fingerprint()[:12]}"
     with psycopg.connect(admin_url, autocommit=True) as c:
         if c.execute("select 1 from pg_database where datname = %s", (template,)).fetchone() is None:
@@ -185,8 +200,6 @@ class Cluster:
     def wait_ready(self, nodes: list[Node], timeout: float = READY_TIMEOUT_S) -> None:
         """Each node's "ready" line, within the timeout (a node hung in its start fails the run, it
         does not hang it)."""
-        import selectors
-
         deadline = time.monotonic() + timeout
         for node in nodes:
             assert node.proc is not None and node.proc.stdout is not None
@@ -325,8 +338,6 @@ class Injector:
                 self.note("fault-error", ev.get("target"), fault=ev["kind"], error=repr(e))
 
     def apply(self, ev: dict[str, Any]) -> None:
-        from aivedio_tools.chaos import db_faults, redis_faults
-
         kind, target = ev["kind"], ev.get("target")
         if kind == "kill":
             self.cluster.kill(target)
@@ -440,8 +451,6 @@ class Sampler:
 
 
 def _make_tenants(platform, plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    from aivedio.admin.tenants import create_tenant
-
     out = {}
     for t in plan["tenants"]:
         name = f"chaos-{plan['seed']}-{t['name']}"
@@ -485,12 +494,6 @@ def run(seed: int, duration: float, out_dir: Path, *, admin_url: str, target: st
         breaks: tuple[str, ...] = (), keep_db: bool = False, untargeted: bool = False, echo=None) -> dict[str, Any]:
     """One chaos run into out_dir; returns the verdict (aivedio_tools.chaos.checkers.verdict). A break
     aims the plan at its safeguard unless `untargeted` (the seed's own plan, the switch on)."""
-    from aivedio_tools.chaos import facts, proxy
-    from aivedio_tools.chaos.redis_server import RedisServer
-    from aivedio.context import build_platform
-    from aivedio.config import Settings
-    from aivedio_tools.provider_sim import SimulatorServer
-
     echo = echo or (lambda s: None)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the simulator's webhook requests, one line each
     plan = plans.make_plan(seed, duration, target=target, breaks=breaks, untargeted=untargeted)
@@ -525,7 +528,6 @@ def run(seed: int, duration: float, out_dir: Path, *, admin_url: str, target: st
                                    "provider": ("127.0.0.1", urlsplit(sim.base_url).port)}.items():
             proxies[name] = proxy.FaultProxy(host, port).start()
             cleanup.callback(proxies[name].stop)
-        from aivedio_tools.chaos.redis_server import free_port
 
         api_port = free_port()
         api_url = f"http://127.0.0.1:{api_port}"
@@ -544,8 +546,6 @@ def run(seed: int, duration: float, out_dir: Path, *, admin_url: str, target: st
         cluster = sampler = injector = workload = history = None
         result: dict[str, Any] = {}
         try:
-            from aivedio.bootstrap import apply_config
-
             with direct.db.connection() as c:
                 apply_config(c, config, direct.clock)
             tenants = _make_tenants(direct, plan)
@@ -585,7 +585,6 @@ def run(seed: int, duration: float, out_dir: Path, *, admin_url: str, target: st
                        "proxies": {k: p.stats() for k, p in proxies.items()}}
             (out_dir / "run.json").write_text(json.dumps(run_doc, indent=1, default=str))
             history.close()
-            from aivedio_tools.chaos import checkers, records
 
             result = checkers.verdict(records.Run.load(out_dir))
             result.update(run=run_doc)

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from aivedio.faults.safeguards import SAFEGUARDS
+from aivedio_tools.chaos import plan as plans
+from aivedio_tools.chaos import runner
 
 FAILING_SEEDS_FILE = Path(__file__).resolve().parents[3] / "tests" / "reliability" / "chaos_failing_seeds.txt"
 FIXED_SEEDS = (1, 2)
@@ -67,8 +69,6 @@ def ci_switches(commit: str) -> list[str]:
 
 def soak(seconds: float, duration: float, out: Path, *, admin_url: str, echo) -> dict[str, Any]:
     """Seeds one after another (the failing ones first, then from a counter) until `seconds` pass."""
-    from aivedio_tools.chaos import runner
-
     t0 = time.monotonic()
     queue = failing_seeds()
     nxt = int(time.time()) % 1_000_000
@@ -95,8 +95,6 @@ def switch_rates(seeds: list[int], duration: float, out: Path, *, admin_url: str
                  switches: list[str] | None = None) -> dict[str, Any]:
     """How often each switch's checker fires on seeds not aimed at it (plans drawn as for any seed,
     the switch on): a measure of how much of the ground the random sweep covers."""
-    from aivedio_tools.chaos import plan as plans, runner
-
     report: dict[str, Any] = {}
     for name in switches or sorted(SAFEGUARDS):
         checker = plans.TARGETS[name]["checker"]

@@ -2,8 +2,15 @@
 through the domain core in one transaction with its audit row; the CLI is trusted (common)."""
 from __future__ import annotations
 
-from aivedio_tools.cli import (admin_capacity, admin_credit, admin_operators, admin_outbox, admin_review, admin_spend,
-                               admin_tenants)
+from aivedio_tools.cli import (
+    admin_capacity,
+    admin_credit,
+    admin_operators,
+    admin_outbox,
+    admin_review,
+    admin_spend,
+    admin_tenants,
+)
 
 GROUPS = (admin_tenants, admin_operators, admin_capacity, admin_credit, admin_spend, admin_review, admin_outbox)
 

@@ -6,17 +6,19 @@ from __future__ import annotations
 import argparse
 import os
 
+from aivedio.config import ConfigError, settings_from_env
+from aivedio.context import resolve_urls
+from aivedio_tools.bench.admission import bench_admission
+from aivedio_tools.bench.media import bench_media
 from aivedio_tools.bench.rounds import DEFAULT_ROUNDS
+from aivedio_tools.bench.scheduler import bench_scheduler
+from aivedio_tools.bench.settlement import bench_settlement_rounds
+from aivedio_tools.bench.summary import summarise
 from aivedio_tools.cli.common import emit
+from aivedio_tools.local.embedded import with_embedded_servers
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from aivedio_tools.bench.admission import bench_admission
-    from aivedio_tools.bench.scheduler import bench_scheduler
-    from aivedio.config import ConfigError, settings_from_env
-    from aivedio.context import resolve_urls
-    from aivedio_tools.local.embedded import with_embedded_servers
-
     if args.rounds < 1:
         raise ConfigError(f"--rounds: {args.rounds} (at least 1)")
     db_url, redis_url = resolve_urls(with_embedded_servers(settings_from_env()))
@@ -32,18 +34,13 @@ def _bench(args: argparse.Namespace) -> int:
         schedulers = args.schedulers or max(2, cpus + 1)
         report["scheduler"] = bench_scheduler(db_url, redis_url, workers=schedulers, seconds=args.seconds, rounds=args.rounds)
     if args.only in (None, "settlement"):
-        from aivedio_tools.bench.settlement import bench_settlement_rounds
-
         settlers = args.settlers or max(2, cpus + 1)
         report["settlement"] = bench_settlement_rounds(db_url, workers=settlers, seconds=args.seconds, rounds=args.rounds)
     if args.only in (None, "media"):
-        from aivedio_tools.bench.media import bench_media
-
         try:
             report["media"] = bench_media(seconds=args.seconds, rounds=args.rounds, workers=args.media_workers or 1)
         except ImportError as e:  # no FFmpeg binary: imageio-ffmpeg is the dev extra, or ffmpeg on PATH
             report["media"] = {"skipped": str(e)}
-    from aivedio_tools.bench.summary import summarise
 
     report["summary"] = summarise(report)  # every figure with a target, beside it
     emit(report, args.json)

@@ -14,6 +14,13 @@ import json
 import sys
 from pathlib import Path
 
+from aivedio.config import settings_from_env
+from aivedio.faults import failpoints, safeguards
+from aivedio.faults.safeguards import SAFEGUARDS
+from aivedio_tools.chaos import checkers, plan, records, runner, sweep
+from aivedio_tools.chaos.checkers import describe_verdict
+from aivedio_tools.local.embedded import with_embedded_servers
+
 
 def _echo(quiet: bool):
     return (lambda s: None) if quiet else (lambda s: (sys.stderr.write(s + "\n"), sys.stderr.flush()))
@@ -23,21 +30,15 @@ def _print_verdict(v: dict, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(v, indent=1, default=str) + "\n")
         return
-    from aivedio_tools.chaos.checkers import describe_verdict
 
     sys.stdout.write("\n".join(describe_verdict(v)) + "\n")
 
 
 def _admin_url() -> str:
-    from aivedio.config import settings_from_env
-    from aivedio_tools.local.embedded import with_embedded_servers
-
     return with_embedded_servers(settings_from_env().model_copy(update={"redis_url": "none"})).database_url
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from aivedio_tools.chaos import runner
-
     out = Path(args.dir or f".aivedio/chaos/{args.seed}")
     breaks = tuple(args.break_ or ())
     v = runner.run(args.seed, args.duration, out, admin_url=_admin_url(), target=args.target, breaks=breaks,
@@ -47,31 +48,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from aivedio_tools.chaos import checkers, records
-
     v = checkers.verdict(records.Run.load(Path(args.dir)))
     _print_verdict(v, args.json)
     return 0 if v["ok"] else 1
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from aivedio_tools.chaos import plan
-
     sys.stdout.write(json.dumps(plan.make_plan(args.seed, args.duration, target=args.target), indent=1) + "\n")
     return 0
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    from aivedio_tools.chaos import sweep
-
     report = sweep.soak(args.seconds, args.duration, Path(args.dir), admin_url=_admin_url(), echo=_echo(False))
     sys.stdout.write(json.dumps(report, indent=1, default=str) + "\n")
     return 0 if not report["failing_seeds"] else 1
 
 
 def cmd_rates(args: argparse.Namespace) -> int:
-    from aivedio_tools.chaos import sweep
-
     seeds = [args.first_seed + i for i in range(args.seeds)]
     report = sweep.switch_rates(seeds, args.duration, Path(args.dir), admin_url=_admin_url(), echo=_echo(False),
                                 switches=args.switch or None)
@@ -80,9 +73,6 @@ def cmd_rates(args: argparse.Namespace) -> int:
 
 
 def cmd_safeguards(args: argparse.Namespace) -> int:
-    from aivedio.faults import failpoints, safeguards
-    from aivedio_tools.chaos import plan
-
     doc = {"safeguards": {n: {"disables": d, "checker": plan.TARGETS[n]["checker"]} for n, d in safeguards.SAFEGUARDS.items()},
            "failpoints": failpoints.FAILPOINTS,
            "enable": f"{safeguards.BREAK_ENV}=<names> with {safeguards.ALLOW_ENV}={safeguards.ALLOW_VALUE} (never in Lambda)"}
@@ -91,8 +81,6 @@ def cmd_safeguards(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from aivedio.faults.safeguards import SAFEGUARDS
-
     p = sub.add_parser("chaos", help="a seeded chaos run over the real stack, and its checkers")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--duration", type=float, default=20.0, help="seconds of load and faults (default 20)")

@@ -8,11 +8,11 @@ import signal
 import sys
 import threading
 
+from aivedio.config import ConfigError, load_config, settings_from_env
+from aivedio_tools.provider_sim import SimulatorServer
+
 
 def _provider_sim(args: argparse.Namespace) -> int:
-    from aivedio.config import ConfigError, load_config, settings_from_env
-    from aivedio_tools.provider_sim import SimulatorServer
-
     settings = settings_from_env()
     config = load_config(args.config or settings.config_file)
     provider = config.provider(args.provider) if args.provider else config.providers[0]

@@ -9,8 +9,12 @@ import json
 import logging
 import sys
 
-from aivedio_tools.simulate.scenarios import SCENARIOS
+from aivedio.config import settings_from_env
+from aivedio.context import resolve_urls
 from aivedio_tools.cli.common import emit
+from aivedio_tools.local.embedded import with_embedded_servers
+from aivedio_tools.simulate.runner import run_scenario
+from aivedio_tools.simulate.scenarios import SCENARIOS
 
 
 def _param(s: str) -> tuple[str, object]:
@@ -24,11 +28,6 @@ def _param(s: str) -> tuple[str, object]:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from aivedio.config import settings_from_env
-    from aivedio.context import resolve_urls
-    from aivedio_tools.local.embedded import with_embedded_servers
-    from aivedio_tools.simulate.runner import run_scenario
-
     logging.getLogger("aivedio_tools.simulate").setLevel(logging.INFO)
     settings = settings_from_env()
     if args.redis == "none":

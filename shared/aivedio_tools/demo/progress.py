@@ -11,6 +11,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from aivedio.admin import dashboard
+
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "MEDIA_INGEST_FAILED")
 SAMPLE_SECONDS = 1.0
 
@@ -68,8 +70,6 @@ class Sampler:
                 sys.stderr.write(f"demo: sample failed: {e!r}\n")
 
     def sample(self) -> dict[str, Any]:
-        from aivedio.admin import dashboard
-
         p = self.platform
         snap = dashboard.snapshot(p, fresh=True)
         ids = list(self.names)
@@ -173,8 +173,8 @@ class _Plain(_Quiet):
 
 class _Rich(_Quiet):
     def __init__(self, sampler: Sampler):
-        from rich.console import Console
-        from rich.live import Live
+        from rich.console import Console  # lazy: rich (the demo extra) only for a terminal
+        from rich.live import Live  # lazy: as above
 
         self.sampler = sampler
         self.console = Console()
@@ -193,8 +193,8 @@ class _Rich(_Quiet):
             self.live.update(self._render(s))
 
     def _render(self, s: dict):
-        from rich.console import Group
-        from rich.table import Table
+        from rich.console import Group  # lazy: as above
+        from rich.table import Table  # lazy: as above
 
         scale = self.sampler.platform.clock.time_scale
         states = "  ".join(f"{k} {v}" for k, v in sorted(s["states"].items()))

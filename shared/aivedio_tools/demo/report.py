@@ -22,6 +22,10 @@ from collections import Counter, defaultdict
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from aivedio.billing import wallet_checks
+from aivedio.spend.costs import cost_report
+from aivedio.spend.invoices import reconcile_day
+
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "MEDIA_INGEST_FAILED")
 
 UNBALANCED_TXNS = """select count(*)::int as n from (select ledger_txn_id from ledger_entry
@@ -118,8 +122,6 @@ def _verdict(name: str, ok: bool, figure: str, **detail: Any) -> dict:
 
 def database_verdicts(platform, task_ids: list[str] | None) -> list[dict]:
     """The verdicts PostgreSQL alone decides: over `task_ids` (None: every task in the database)."""
-    from aivedio.billing import wallet_checks
-
     q = {"ids": task_ids, "terminal": list(TERMINAL)}
     with platform.db.connection() as conn:
         unbalanced = conn.execute(UNBALANCED_TXNS).fetchone()["n"]
@@ -187,8 +189,6 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def build(platform, sims: dict, workload, tenants: list, sampler, *, run_id: str, elapsed_seconds: float) -> dict:
-    from aivedio.spend.costs import cost_report
-
     scale = platform.clock.time_scale
     ids = [t.tenant_id for t in tenants]
     by_id = {t.tenant_id: t for t in tenants}
@@ -327,8 +327,6 @@ def _lane_series(samples: list[dict], scale: float) -> dict[str, dict[str, list]
 def _invoices(platform) -> dict[str, Any]:
     """Today's invoice reconciliation per provider (the daily job reconciles closed days; the demo runs
     today's so the page shows it). Its status is reported as it is: a day still open is INCOMPLETE."""
-    from aivedio.spend.invoices import reconcile_day
-
     today = datetime.now(timezone.utc).date()
     out = {}
     for p in platform.config.providers:

@@ -15,6 +15,7 @@ printed and written as one HTML file, and its verdicts decide the exit status. `
 invariants of an existing database without running anything."""
 from __future__ import annotations
 
+import logging
 import random
 import sys
 import threading
@@ -27,7 +28,23 @@ from typing import Any
 
 import httpx
 
-from aivedio.config import LaneConfig, PlatformConfig, ProviderAccount, ProviderConfig, SimulatorBehaviour, Timers
+from aivedio.admin.operators import create_operator
+from aivedio.config import (
+    LaneConfig,
+    PlatformConfig,
+    ProviderAccount,
+    ProviderConfig,
+    SimulatorBehaviour,
+    Timers,
+    settings_from_env,
+)
+from aivedio.context import build_platform, set_platform
+from aivedio.db.pool import redact
+from aivedio_tools.demo import progress as demo_progress
+from aivedio_tools.demo import report as demo_report
+from aivedio_tools.local.embedded import stop_embedded, with_embedded_servers
+from aivedio_tools.local.runtime import LocalRuntime, _default_api_url
+from aivedio_tools.provider_sim import SimulatorServer
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "MEDIA_INGEST_FAILED")  # aivedio.tasks.TERMINAL
 DEFAULT_TIME_SCALE = 30.0  # an hour of platform time in two real minutes
@@ -171,11 +188,6 @@ def _code(r: httpx.Response) -> str:
 def run(opts: Options, stop: threading.Event | None = None) -> tuple[int, dict[str, Any] | None]:
     """Start everything, run the workload (unless opts.workload is False), report, and with
     opts.serve keep serving until `stop` is set. Returns (exit code, the report document)."""
-    from aivedio.config import settings_from_env
-    from aivedio.context import build_platform, set_platform
-    from aivedio_tools.local.embedded import stop_embedded, with_embedded_servers
-    from aivedio_tools.local.runtime import LocalRuntime, _default_api_url
-
     stop = stop or threading.Event()
     say = (lambda msg: sys.stderr.write(msg + "\n")) if opts.progress else (lambda msg: None)
     platform = rt = sims = None
@@ -226,8 +238,6 @@ def _start_simulators(platform) -> dict:
     """The demo's own simulators, before LocalRuntime would start its own: each account may run 10x
     what the platform is told it may, so a platform overshooting max_concurrency would show in the
     simulator's peak instead of being hidden by its 429s (the no-capacity-exceeded verdict)."""
-    from aivedio_tools.provider_sim import SimulatorServer
-
     sims = {}
     try:
         for p in platform.config.providers:
@@ -245,8 +255,6 @@ def _start_simulators(platform) -> dict:
 
 def _create_operator(platform, run_id: str) -> dict:
     """The demo's admin operator, through the admin core as the CLI makes one (audited as cli:demo)."""
-    from aivedio.admin.operators import create_operator
-
     op = platform.db.transaction(lambda c: create_operator(c, actor="cli:demo", name=f"demo-admin-{run_id}", role="admin"))
     return op.as_dict()
 
@@ -289,8 +297,6 @@ def _plan(tenants: list[Tenant], opts: Options, rng: random.Random) -> list[tupl
 
 
 def _run_workload(platform, rt, http, sims, tenants, run_id, opts: Options, stop: threading.Event, say) -> dict | None:
-    from aivedio_tools.demo import progress as demo_progress, report as demo_report
-
     rng = random.Random(opts.seed)
     wl = Workload()
     plan = _plan(tenants, opts, rng)
@@ -379,8 +385,6 @@ def _cancel(http: httpx.Client, wl: Workload, key: str, task_id: str) -> None:
 def _logs_to_file(path: Path) -> Path:
     """The platform's logs (Python logging and the Powertools logger) go to a file, so the terminal
     shows the progress; the banner says where."""
-    import logging
-
     path.parent.mkdir(parents=True, exist_ok=True)
     stream = open(path, "a", buffering=1)  # noqa: SIM115 - open for the life of the process
     for name in ("", "aivedio"):
@@ -391,8 +395,6 @@ def _logs_to_file(path: Path) -> Path:
 
 
 def _print_banner(rt, admin: dict, opts: Options, log_path: Path) -> None:
-    from aivedio.db.pool import redact
-
     p, url = rt.platform, rt.base_url
     sys.stderr.write("\n".join([
         f"AiVedio is running (time_scale={p.clock.time_scale:g}: an hour passes in {60 / p.clock.time_scale:g} real minutes)",

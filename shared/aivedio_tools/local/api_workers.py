@@ -40,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from aivedio.config import ConfigError, PlatformConfig, Settings
+from aivedio.context import build_platform, set_platform
+from aivedio.providers.registry import close_adapters
+from aivedio_tools.local import prometheus
 from aivedio_tools.local.handlers import api_server
 
 log = logging.getLogger(__name__)
@@ -161,7 +164,6 @@ def worker_main(index: int, spec: WorkerSpec, events: Any) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s api-worker-{index}[%(process)d] %(name)s %(message)s")
-    from aivedio.context import build_platform, set_platform
 
     platform = server = None
     try:
@@ -175,8 +177,6 @@ def worker_main(index: int, spec: WorkerSpec, events: Any) -> None:
             platform.extras["callback_base_url"] = spec.callback_base_url
         set_platform(platform)
         if spec.metrics_dir:
-            from aivedio_tools.local import prometheus
-
             prometheus.share(spec.metrics_dir)
         server = api_server(spec.host, spec.port, reuse_port=True)
         server.start()
@@ -191,7 +191,6 @@ def worker_main(index: int, spec: WorkerSpec, events: Any) -> None:
         threading.Thread(target=lambda: (parent.join(), stop.set()), name="parent-watch", daemon=True).start()
     stop.wait()
     server.stop()
-    from aivedio.providers.registry import close_adapters
 
     close_adapters(platform)
     platform.close()
@@ -275,8 +274,6 @@ class ApiWorkers:
 
     def _share_metrics(self) -> str:
         """The main process's loops count claims, relays and repairs: share them with the workers."""
-        from aivedio_tools.local import prometheus
-
         directory = os.path.join(self._status_dir, "metrics")
         prometheus.share(directory)
         return directory

@@ -18,16 +18,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from aivedio import events_routing
+from aivedio.attempts.executions import LOCAL_STEP_RESOURCE
 from aivedio.bootstrap import apply_config
 from aivedio.config import ConfigError, Settings, load_config
 from aivedio.context import Platform, build_platform, set_platform
 from aivedio.db.pool import redact
 from aivedio.media import pipeline
+from aivedio.providers.registry import close_adapters
 from aivedio_tools.local import consumers, media_dispatch
+from aivedio_tools.local.api_workers import ApiWorkers, WorkerCrashLoop, reserve_port
 from aivedio_tools.local.apigw import ACCOUNT_ID
+from aivedio_tools.local.embedded import stop_embedded, with_embedded_servers
 from aivedio_tools.local.handlers import api_server, load_handler
 from aivedio_tools.local.http_server import LambdaHttpServer
 from aivedio_tools.local.lambda_context import FakeLambdaContext
+from aivedio_tools.local.workflow_runner import WorkflowRunner
+from aivedio_tools.provider_sim import start_simulators
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +217,6 @@ class LocalRuntime:
     def _start_providers_and_workflows(self) -> None:
         """The built-in provider simulators (for providers whose entry names no base_url) and the
         workflow runner that executes attempt workflows in this process."""
-        from aivedio.attempts.executions import LOCAL_STEP_RESOURCE
-        from aivedio_tools.local.workflow_runner import WorkflowRunner
-        from aivedio_tools.provider_sim import start_simulators
-
         p = self.platform
         missing = [pc for pc in p.config.providers if not pc.base_url]
         if missing and "provider_base_urls" not in p.extras:
@@ -247,7 +249,6 @@ class LocalRuntime:
             self._runner.stop()
             self.platform.extras.pop("workflow_runner", None)
             self._runner = None
-        from aivedio.providers.registry import close_adapters
 
         close_adapters(self.platform)
         for sim in self._simulators.values():
@@ -301,9 +302,6 @@ def serve(settings: Settings, port: int = 8080, host: str = "127.0.0.1", api_wor
     runs everything but the API, and that many worker processes serve it on host:port
     (aivedio_tools.local.api_workers); a worker that dies is restarted, and workers that keep dying
     end the serve with exit code 1."""
-    from aivedio_tools.local.api_workers import ApiWorkers, WorkerCrashLoop, reserve_port
-    from aivedio_tools.local.embedded import stop_embedded, with_embedded_servers
-
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     platform: Platform | None = None

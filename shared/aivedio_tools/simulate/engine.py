@@ -44,9 +44,9 @@ from aivedio.scheduling.maintenance import age_tasks, detect_starvation
 from aivedio.scheduling.resources import release_attempt
 from aivedio.scheduling.ring import Ring
 from aivedio.scheduling.scheduler import LaneView, Scheduler
+from aivedio.tasks import cas_transition
 from aivedio_tools.simulate.fifo import FifoPolicy
 from aivedio_tools.simulate.scenarios import Arrival, Scenario
-from aivedio.tasks import cas_transition
 
 log = logging.getLogger("aivedio_tools.simulate")
 

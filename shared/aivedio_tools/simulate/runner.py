@@ -10,13 +10,19 @@ import time
 import uuid
 from contextlib import contextmanager
 from typing import Iterator
+from urllib.parse import urlsplit
 
 import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from aivedio_tools.bench.pgbench import with_database
+from aivedio.admin.tenants import POLICY_DEFAULTS, create_tenant, initial_burst_credit
+from aivedio.bootstrap import apply_config
 from aivedio.config import Settings
+from aivedio.context import build_platform
+from aivedio.db.migrate import migrate
+from aivedio.observability import logger
+from aivedio_tools.bench.pgbench import with_database
 from aivedio_tools.simulate import checks, metrics
 from aivedio_tools.simulate.engine import T0, SimClock, SimTenant, Simulation, admit_arrival
 from aivedio_tools.simulate.scenarios import OPEN_LIMITS, Scenario, build
@@ -28,8 +34,6 @@ log = logging.getLogger("aivedio_tools.simulate")
 def scratch_database(admin_url: str, label: str, template: str | None = None) -> Iterator[str]:
     """A database of its own on admin_url's server; migrated, or cloned from `template`. Commits
     need not wait for the disk (synchronous_commit off): the data is thrown away afterwards."""
-    from aivedio.db.migrate import migrate
-
     name = f"aivedio_sim_{label}_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(admin_url, autocommit=True) as c:
         if template:
@@ -48,14 +52,10 @@ def scratch_database(admin_url: str, label: str, template: str | None = None) ->
 
 
 def _db_name(url: str) -> str:
-    from urllib.parse import urlsplit
-
     return urlsplit(url).path.lstrip("/")
 
 
 def _platform(db_url: str, redis_url: str | None, scenario: Scenario, prefix: str, pool_size: int = 4):
-    from aivedio.context import build_platform
-
     settings = Settings(database_url=db_url, redis_url=redis_url or "none", redis_prefix=prefix)
     return build_platform(settings, scenario.config, clock=SimClock(T0, scenario.config.time_scale), pool_size=pool_size)
 
@@ -75,9 +75,6 @@ def prepare(db_url: str, redis_url: str | None, scenario: Scenario) -> dict:
     """Tenants, pools and the t=0 backlog. Returns what the runs need to know about the tenants.
     The pools (every lane's units, every provider account's max_concurrency) and the price book come
     from the scenario's config through `apply_config`, as a deployment derives them."""
-    from aivedio.admin.tenants import create_tenant
-    from aivedio.bootstrap import apply_config
-
     t0 = time.monotonic()
     p = _platform(db_url, redis_url, scenario, f"simprep{uuid.uuid4().hex[:8]}", pool_size=6)
     try:
@@ -133,8 +130,6 @@ def _admit_backlog(p, tenants: dict[str, SimTenant], arrivals: list) -> dict[str
 def _bulk(p, scenario: Scenario) -> dict[str, SimTenant]:
     """Tenants, policies, users and one queued task each, written set-based. Each task copies the
     normalised columns of a task that admit() wrote, so it is what admission would have produced."""
-    from aivedio.admin.tenants import POLICY_DEFAULTS, initial_burst_credit
-
     b = scenario.bulk
     names = [f"bulk-{i:05d}" for i in range(b.tenants)]
     weights = [b.weight_of(i) for i in range(b.tenants)]
@@ -214,8 +209,6 @@ def _quiet_platform_logs() -> None:
     """Admission logs every task and the starvation detector every intervention; a simulation makes
     thousands of both, so only errors of the platform's own logger reach stderr. The simulation's
     own progress goes to the `aivedio_tools.simulate` logger."""
-    from aivedio.observability import logger
-
     logger.setLevel("ERROR")
 
 
