@@ -20,7 +20,7 @@ from aivedio.db.pool import UNAVAILABLE
 from aivedio.errors import Forbidden, Unauthenticated
 from aivedio.observability import logger
 from aivedio.policy import roles
-from functions.api.routes.auth import _body_error, _body_size, _check_envelope, _reply, database_unavailable_reply
+from functions._edge.envelope import body_error, body_size, check_envelope, database_unavailable_reply, reply
 
 SESSION_COOKIE = "aivedio_admin_session"  # a session id set by the dashboard's sign-in (routes/dashboard.py)
 OPENAPI_PATH = "/admin/v1/openapi.json"
@@ -75,7 +75,7 @@ def session_token(headers: dict[str, str]) -> str | None:
 
 def _internal(message: str, **extra) -> dict:
     logger.error(message, extra=extra)
-    return _reply(500, "INTERNAL", "internal error")
+    return reply(500, "INTERNAL", "internal error")
 
 
 def _named_tenant(route, path: str) -> UUID | None:
@@ -92,8 +92,8 @@ def gate(app, event: dict) -> dict | None:
     """None lets the request through (with the operator in app.context); otherwise the proxy answer."""
     platform = get_platform()
     limit = platform.config.limits.max_body_bytes
-    if _body_size(event) > limit:
-        return _body_error(413, "PAYLOAD_TOO_LARGE", f"request body over {limit} bytes", f"over {limit} bytes", "too_large")
+    if body_size(event) > limit:
+        return body_error(413, "PAYLOAD_TOO_LARGE", f"request body over {limit} bytes", f"over {limit} bytes", "too_large")
     method = (event.get("httpMethod") or "").upper()
     path = event.get("path") or ""
     try:
@@ -114,9 +114,9 @@ def gate(app, event: dict) -> dict | None:
         with platform.db.connection(timeout=platform.config.limits.api_database_wait_seconds) as conn:
             operator = authenticate_operator(conn, headers.get("authorization"), session_id=cookie)
     except Unauthenticated as e:
-        return _reply(401, "UNAUTHENTICATED", e.message)
+        return reply(401, "UNAUTHENTICATED", e.message)
     except Forbidden as e:  # a tenant API key: a valid credential, but not for this API
-        return _reply(403, "FORBIDDEN", e.message)
+        return reply(403, "FORBIDDEN", e.message)
     except UNAVAILABLE:
         return database_unavailable_reply(platform)
     if not roles.allowed(operator.role, permission):
@@ -126,9 +126,9 @@ def gate(app, event: dict) -> dict | None:
                                 target=f"{method} {path}", reason=reason, tenant_id=_named_tenant(route, path))
         except UNAVAILABLE:
             return database_unavailable_reply(platform)
-        return _reply(403, "FORBIDDEN", f"operator {operator.name!r} may not {permission}",
+        return reply(403, "FORBIDDEN", f"operator {operator.name!r} may not {permission}",
                       {"permission": permission, "role": operator.role})
-    refused = _check_envelope(event, headers)
+    refused = check_envelope(event, headers)
     if refused is not None:
         return refused
     app.append_context(operator=operator)

@@ -10,10 +10,10 @@ from aws_lambda_powertools.logging import correlation_paths
 
 from aivedio import __version__
 from aivedio.observability import logger
+from functions._edge import errors
+from functions._edge.resolver import ThreadLocalRestResolver
 from functions.admin_api import access
 from functions.admin_api.routes import audit, capacity, dashboard, insight, lanes, operations, operators, policy, tenants, wallets
-from functions.api import errors
-from functions.api.resolver import ThreadLocalRestResolver
 
 ROUTE_MODULES = (tenants, lanes, operations, operators, audit, policy, capacity, dashboard, insight, wallets)
 

@@ -7,11 +7,11 @@ from aws_lambda_powertools.logging import correlation_paths
 
 from aivedio import __version__
 from aivedio.observability import logger
-from functions.api import errors
-from functions.api.resolver import ThreadLocalRestResolver
+from functions._edge import errors
+from functions._edge.resolver import ThreadLocalRestResolver
 from functions.api.routes import auth, generations, health, media, providers, wallet
 
-# Per-request state per thread: the local server runs requests concurrently (functions/api/resolver.py).
+# Per-request state per thread: the local server runs requests concurrently (functions/_edge/resolver.py).
 app = ThreadLocalRestResolver(enable_validation=True)
 app.configure_openapi(
     title="AiVedio API",

@@ -154,7 +154,7 @@ def test_a_route_without_a_permission_is_refused_as_a_programming_error(platform
     from aws_lambda_powertools.event_handler.api_gateway import Router
 
     from functions.admin_api import access
-    from functions.api.resolver import ThreadLocalRestResolver
+    from functions._edge.resolver import ThreadLocalRestResolver
 
     app, router = ThreadLocalRestResolver(), Router()
 

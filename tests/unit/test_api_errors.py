@@ -1,4 +1,4 @@
-"""functions/api/errors.py gives every failure the contract's shape {error, message, details}."""
+"""functions/_edge/errors.py gives every failure the contract's shape {error, message, details}."""
 import json
 from typing import Annotated
 
@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from aivedio.errors import DomainError, NotFound
 from aivedio_tools.local.apigw import from_response, to_event
 from aivedio_tools.local.lambda_context import FakeLambdaContext
-from functions.api import errors
+from functions._edge import errors
 
 
 class Body(BaseModel):

@@ -1,4 +1,4 @@
-"""The `api` resolver keeps each request's state on its own thread (functions/api/resolver.py), so the
+"""The `api` resolver keeps each request's state on its own thread (functions/_edge/resolver.py), so the
 local server can run requests concurrently: two requests inside their routes at once each read their
 own event, caller and route arguments, through the app and through an included Router."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from aws_lambda_powertools.event_handler.router import APIGatewayRouter
 
 from aivedio_tools.local import apigw
 from aivedio_tools.local.lambda_context import FakeLambdaContext
-from functions.api.resolver import ThreadLocalRestResolver
+from functions._edge.resolver import ThreadLocalRestResolver
 
 N = 6
 

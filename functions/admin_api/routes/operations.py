@@ -24,8 +24,8 @@ from aivedio.billing import compensation, refunds
 from aivedio.billing.errors import AUDITED_REFUSALS
 from aivedio.context import get_platform
 from aivedio.errors import DomainError, NotFound
+from functions._edge.errors import register_status
 from functions.admin_api.access import operator_of, requires
-from functions.api.errors import register_status
 
 router = Router()
 register_status(

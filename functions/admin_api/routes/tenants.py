@@ -15,8 +15,8 @@ from aivedio.admin import api_keys, tenants, users
 from aivedio.config import SERVICE_CLASSES
 from aivedio.context import get_platform
 from aivedio.errors import NotFound
+from functions._edge.errors import register_status
 from functions.admin_api.access import operator_of, requires
-from functions.api.errors import register_status
 
 router = Router()
 register_status(TENANT_EXISTS=409)

@@ -15,7 +15,7 @@ from aivedio.admission.models import GenerationRequest
 from aivedio.admission.service import admit, quote_only
 from aivedio.context import get_platform
 from aivedio.errors import InvalidRequest, NotFound
-from functions.api.errors import register_status
+from functions._edge.errors import register_status
 from functions.api.routes.auth import caller_of
 from functions.api.routes.schemas import BEARER, Accepted, CancelResult, QuoteResponse, TaskList, TaskState, TaskView, responses
 

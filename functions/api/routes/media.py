@@ -13,7 +13,7 @@ from aws_lambda_powertools.event_handler.router import APIGatewayRouter
 from aivedio.context import get_platform
 from aivedio.media import urls
 from aivedio.media.pipeline import content_type_of
-from functions.api.errors import register_status
+from functions._edge.errors import register_status
 from functions.api.routes.schemas import ErrorBody, errors
 
 router = APIGatewayRouter()

@@ -7,7 +7,7 @@ from aws_lambda_powertools.event_handler.router import APIGatewayRouter
 
 from aivedio.attempts.callbacks import receive
 from aivedio.context import get_platform
-from functions.api.errors import register_status
+from functions._edge.errors import register_status
 
 router = APIGatewayRouter()
 register_status(STALE_ATTEMPT=409, CALLBACK_REFUSED=409)

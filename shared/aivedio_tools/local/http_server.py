@@ -5,7 +5,7 @@ It enforces only what API Gateway does: a 10 MiB payload limit (413), and a 502 
 raises or returns something that is not a proxy response. Each request is invoked on its own
 thread, concurrently, as API Gateway would spread them over several Lambda environments: a handler
 served here keeps no per-request state in shared places (the `api` handler's resolver keeps it per
-thread, functions/api/resolver.py), so one slow request (an input probe waiting on a slow server)
+thread, functions/_edge/resolver.py), so one slow request (an input probe waiting on a slow server)
 never holds up the others.
 
 One server can stand in for several API Gateway APIs on one port: `mounts` send a path under
