@@ -52,6 +52,12 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 
 
+def sql_list(states) -> str:
+    """States as SQL literals ('A', 'B'), for a statement whose predicate must imply a partial index's
+    (a parameter would not let the planner prove it); from the sets above, never typed out."""
+    return ", ".join(f"'{s}'" for s in sorted(states))
+
+
 class IllegalTransition(Exception):
     pass
 

@@ -25,6 +25,7 @@ from aivedio.admission.decisions import Rejected
 from aivedio.admission.models import GenerationRequest
 from aivedio.admission.service import admit
 from aivedio.auth import Caller
+from aivedio import invariants
 from aivedio.billing import allowances, wallet_checks
 from aivedio.billing.ledger import ledger_aggregate
 from aivedio.config import PlatformConfig, Settings
@@ -59,7 +60,7 @@ def assert_consistent(conn, wallet_id) -> dict:
         agg.get("AVAILABLE", 0), agg.get("RESERVED", 0), agg.get("CONSUMED", 0)), (dict(w), agg)
     assert w["available_amount"] >= (-w["credit_limit_amount"] if w["account_type"] == "POSTPAID" else 0)
     with conn.transaction():
-        assert wallet_checks.findings(conn, wallet_checks._lock(conn, wallet_id)) == []
+        assert invariants.wallet_findings(conn, wallet_checks._lock(conn, wallet_id)) == []
     return w
 
 

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("operator-set policy, as data", ("policy",)),
     ("providers and prices", ("providers", "pricing")),
     ("provider spend", ("spend",)),
-    ("customer credit and the scheduler", ("billing", "scheduling")),
+    ("customer credit, the scheduler, and what must hold of them", ("billing", "scheduling", "invariants")),
     ("media", ("media",)),
     ("attempts", ("attempts",)),
     ("admission", ("admission",)),

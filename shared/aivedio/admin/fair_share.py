@@ -21,6 +21,7 @@ from uuid import UUID
 import psycopg
 
 from aivedio.errors import InvalidRequest, NotFound
+from aivedio import tasks
 
 MAX_WINDOW_SECONDS = 30 * 86400
 
@@ -32,11 +33,11 @@ DELIVERED = """select t.queue_class as lane, a.tenant_id, sum(t.fairness_units):
                 group by t.queue_class, a.tenant_id"""
 # Tenants with queued or running (live, not terminal) work per lane now, over the partial indexes
 # of queued and in-flight tasks (idx_task_schedulable, idx_task_inflight).
-PRESENT = """select distinct queue_class as lane, tenant_id from generation_task
+PRESENT = f"""select distinct queue_class as lane, tenant_id from generation_task
               where state = 'QUEUED' and (%(lane)s::text is null or queue_class = %(lane)s)
              union
              select distinct queue_class as lane, tenant_id from generation_task
-              where state not in ('QUEUED', 'SUCCEEDED', 'FAILED', 'CANCELLED', 'MEDIA_INGEST_FAILED')
+              where state not in ('QUEUED', {tasks.sql_list(tasks.TERMINAL)})
                 and (%(lane)s::text is null or queue_class = %(lane)s)"""
 WEIGHTS = "select tenant_id, weight from tenant_scheduling_policy where tenant_id = any(%s)"
 TENANT_WEIGHT = "select weight from tenant_scheduling_policy where tenant_id = %s"

@@ -45,6 +45,7 @@ from aivedio.faults import failpoints, safeguards
 from aivedio.metrics_catalog import SETTLEMENT_ABSORBED_CREDITS, SETTLEMENT_REPLAYS, SETTLEMENTS
 from aivedio.observability import logger, publish
 from aivedio.spend import budgets, costs, parked
+from aivedio.tasks import TERMINAL
 
 # TaskMediaIngestFailed: the media pipeline's end of a task whose provider succeeded but whose output
 # could not be made a playable video (aivedio.media.pipeline); stage MEDIA_DELIVERY_FAILED, priced by
@@ -71,7 +72,7 @@ class TerminalEvent(BaseModel):
     task_id: UUID
     tenant_id: UUID | None = None
     attempt_id: UUID | None = None
-    state: Literal["SUCCEEDED", "FAILED", "CANCELLED", "MEDIA_INGEST_FAILED"] | None = None
+    state: Literal[tuple(sorted(TERMINAL))] | None = None  # the terminal states of aivedio.tasks
     stage: str = Field(min_length=1)
     provider: str | None = None
     provider_account: str | None = None

@@ -1,11 +1,9 @@
 """Wallet consistency checks (ch. 20.8.4, 20.8.5) and the rebuild that repairs what they find.
 
-The check, under the wallet's lock (so no balance change interleaves), compares:
-- the snapshot (available, reserved, consumed) with the ledger aggregate per bucket;
-- the snapshot's reserved with the open part of the wallet's reservations;
-- for wallets with credit lots: the lots' remaining with available, and their reserved with reserved;
-- and counts ledger transactions that do not sum to zero.
-On any mismatch it freezes the wallet's risky operations (admission rejects with
+The check, under the wallet's lock (so no balance change interleaves), looks for what breaks the
+wallet's invariants (aivedio.invariants.wallet_findings): the snapshot against the ledger aggregate
+per bucket, reserved against the open part of the wallet's reservations, the lots against available
+and reserved, and ledger transactions that do not sum to zero. On any mismatch it freezes the wallet's risky operations (admission rejects with
 REJECT_WALLET_FROZEN; refunds and compensations refuse), records each finding in
 wallet_discrepancy, logs an error and counts a metric: that is the alert.
 
@@ -24,29 +22,11 @@ from aivedio import audit
 from aivedio.billing import allowances
 from aivedio.billing.ledger import Entry, ledger_aggregate, post
 from aivedio.errors import Conflict, NotFound
+from aivedio.invariants import OPEN_RESERVED, wallet_findings
 from aivedio.metrics_catalog import RECONCILIATION_BREAKS
 from aivedio.observability import logger, publish
 
 FREEZE_PREFIX = "wallet check: "
-
-# What the wallet holds reserved: its reservations' open parts, and the spend allowances of its
-# admission slots (billing.allowances: credit reserved for a slot, not yet for a task).
-OPEN_RESERVED = """
-select (select coalesce(sum(reserved_amount - settled_amount - released_amount), 0)
-          from credit_reservation where wallet_id = %(w)s)
-     + (select coalesce(sum(amount), 0) from wallet_allowance where wallet_id = %(w)s) as n
-"""
-
-LOTS = """
-select coalesce(sum(remaining_amount), 0)::bigint as remaining, coalesce(sum(reserved_amount), 0)::bigint as reserved,
-       count(*) as lots
-  from credit_lot where wallet_id = %s
-"""
-
-UNBALANCED = """
-select count(*) as n from (select ledger_txn_id from ledger_entry where wallet_id = %s
-                            group by ledger_txn_id having sum(amount_delta) <> 0) u
-"""
 
 LOT_DRIFT = """
 select l.lot_id, l.reserved_amount as lot_reserved, l.remaining_amount,
@@ -69,31 +49,9 @@ def _lock(conn: psycopg.Connection, wallet_id: UUID) -> dict:
     return w
 
 
-def findings(conn: psycopg.Connection, wallet: dict) -> list[dict]:
-    """What is inconsistent in one wallet (the caller holds its lock)."""
-    wid = wallet["wallet_id"]
-    agg = ledger_aggregate(conn, wid)
-    out = []
-
-    def cmp(kind: str, expected: int, actual: int) -> None:
-        if expected != actual:
-            out.append({"kind": kind, "expected": int(expected), "actual": int(actual)})
-
-    cmp("SNAPSHOT_AVAILABLE", agg.get("AVAILABLE", 0), wallet["available_amount"])
-    cmp("SNAPSHOT_RESERVED", agg.get("RESERVED", 0), wallet["reserved_amount"])
-    cmp("SNAPSHOT_CONSUMED", agg.get("CONSUMED", 0), wallet["consumed_amount"])
-    cmp("RESERVED_VS_RESERVATIONS", conn.execute(OPEN_RESERVED, {"w": wid}).fetchone()["n"], wallet["reserved_amount"])
-    if wallet["account_type"] != "POSTPAID":
-        lots = conn.execute(LOTS, (wid,)).fetchone()
-        cmp("LOTS_VS_AVAILABLE", lots["remaining"], wallet["available_amount"])
-        cmp("LOTS_VS_RESERVED", lots["reserved"], wallet["reserved_amount"])
-    cmp("UNBALANCED_TRANSACTIONS", 0, conn.execute(UNBALANCED, (wid,)).fetchone()["n"])
-    return out
-
-
 def check_wallet(conn: psycopg.Connection, *, wallet_id: UUID, now: datetime, freeze: bool = True) -> dict:
     wallet = _lock(conn, wallet_id)
-    found = findings(conn, wallet)
+    found = wallet_findings(conn, wallet)
     if found and freeze:
         kinds = ", ".join(f["kind"] for f in found)
         if not wallet["frozen"]:
@@ -128,7 +86,7 @@ def rebuild(conn: psycopg.Connection, *, operator: str, wallet_id: UUID, now: da
     """Append the adjustments that make the wallet consistent again, then unfreeze it if the check
     passes. Run it inside one transaction."""
     wallet = _lock(conn, wallet_id)
-    before = findings(conn, wallet)
+    before = wallet_findings(conn, wallet)
     entries: list[Entry] = []
     lot_moves: list[tuple[int, UUID]] = []
     if wallet["account_type"] != "POSTPAID":
@@ -163,7 +121,7 @@ def rebuild(conn: psycopg.Connection, *, operator: str, wallet_id: UUID, now: da
                                consumed_amount = %(consumed_amount)s, version = version + 1, updated_at = %(now)s
                          where wallet_id = %(wallet_id)s""", {**new, "now": now, "wallet_id": wallet_id})
         wallet.update(new)
-    after = findings(conn, wallet)
+    after = wallet_findings(conn, wallet)
     unfrozen = False
     if not after:
         conn.execute("""update wallet_discrepancy set status = 'RESOLVED', resolution_ledger_txn_id = %s, resolved_by = %s,
@@ -186,7 +144,7 @@ def rebuild(conn: psycopg.Connection, *, operator: str, wallet_id: UUID, now: da
 def unfreeze(conn: psycopg.Connection, *, operator: str, wallet_id: UUID, now: datetime, reason: str) -> dict:
     """Lift a freeze by hand: only when the wallet checks clean."""
     wallet = _lock(conn, wallet_id)
-    found = findings(conn, wallet)
+    found = wallet_findings(conn, wallet)
     if found:
         raise Conflict("the wallet still has mismatches: rebuild it first", code="WALLET_INCONSISTENT",
                        details={"findings": found})

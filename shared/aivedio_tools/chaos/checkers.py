@@ -27,8 +27,9 @@ They generalise the end-of-run checks of tests/reliability/test_attempt_invarian
   non-terminal state reaches every other through QUEUED and MANUAL_REVIEW, so what reads can catch
   is an unknown state and a terminal state left; a stricter table tightens this on its own.)
 - ledger: every transaction sums to zero per unit; each wallet's snapshot equals its entries'
-  aggregate per bucket (billing.ledger.SNAPSHOT_COLUMNS), and its lots' and reservations' totals as
-  billing.wallet_checks compares them; the money of each unit sums to zero over all entries.
+  aggregate per bucket, and its lots' and reservations' totals, as the wallet check compares them
+  (aivedio.invariants: the same promises, over the recorded rows); the money of each unit sums to
+  zero over all entries.
 - charged-once: a terminal task is settled once: at most one SETTLE, charging what its locked policy
   and quote decide for its outcome (billing.policies.decide; a success at the quote, a failure under
   SUCCESS_ONLY nothing); its reservation is closed with settled + released = reserved by at most one
@@ -53,8 +54,8 @@ from datetime import datetime
 from itertools import pairwise
 from typing import Any
 
+from aivedio import invariants
 from aivedio.billing import policies
-from aivedio.billing.ledger import SNAPSHOT_COLUMNS
 from aivedio.tasks import ATTEMPT_LIVE, STATES, TERMINAL, TRANSITIONS
 from aivedio.terminal_events import TERMINAL_EVENT
 from aivedio_tools.chaos.records import FAIL, OK, Op, Run
@@ -70,8 +71,6 @@ KEY_REUSED_STATUS = 422  # a different body under a used Idempotency-Key (contra
 SETTLE, RELEASE = "SETTLE", "RELEASE"  # ledger_transaction.event_type
 RESERVED, CONSUMED = "RESERVED", "CONSUMED"  # ledger_entry.bucket
 ACTIVE = "ACTIVE"  # resource_reservation.state, credit_reservation.state
-CLOSED_CREDIT_RESERVATION = frozenset({"SETTLED", "RELEASED", "PARTIALLY_REFUNDED", "REFUNDED"})
-POSTPAID = "POSTPAID"  # wallet_account.account_type: may go below zero, down to its credit limit
 COMPLETED = "COMPLETED"  # idempotency_record.status: the record answers with its stored response
 
 
@@ -251,15 +250,6 @@ def check_one_provider_job(run: Run) -> list[Violation]:
 
 # --- capacity -------------------------------------------------------------------------------------------
 
-def _shard_problem(s: dict[str, Any], active: int) -> str | None:
-    used, cap = s["used_units"], s["capacity_units"]
-    if used != active:
-        return f"used {used} != ACTIVE reservations {active}"
-    if not 0 <= used <= cap:
-        return f"used {used} outside [0, {cap}]"
-    return None
-
-
 # A replaced attempt's worker paused at the last instant before its send sends late, and the provider
 # protocol has no deadline on a submit: the platform refuses the answer, records the job as a
 # STALE_SUBMIT orphan and cancels it (the fencing checker holds it to that). Such a job, cancelled
@@ -314,7 +304,7 @@ def check_capacity(run: Run) -> list[Violation]:
                            "platform_max_concurrency": limits[acct]})
     for sample in run.samples:
         for s in sample.get("shards", []):
-            why = _shard_problem(s, s["active_reserved"])
+            why = invariants.shard_problem(s, s["active_reserved"])
             if why:
                 found.add(f"t={sample['t']}: shard {s['resource_key']}#{s['shard_no']}: {why}", {"t": sample["t"], **s})
     active: Counter = Counter()
@@ -323,11 +313,11 @@ def check_capacity(run: Run) -> list[Violation]:
         active[k] = sum(r["reserved_units"] for r in rs)
     for s in run.rows("shards"):
         k = (s["resource_key"], s["shard_no"])
-        why = _shard_problem(s, active[k])
+        why = invariants.shard_problem(s, active[k])
         if why:
             found.add(f"at the end: shard {k[0]}#{k[1]}: {why}", [s], reservations.get(k, []))
     for w in run.rows("wallets"):
-        floor = -w["credit_limit_amount"] if w["account_type"] == POSTPAID else 0
+        floor = -w["credit_limit_amount"] if w["account_type"] == invariants.POSTPAID else 0
         if w["available_amount"] < floor or w["reserved_amount"] < 0 or w["consumed_amount"] < 0:
             found.add(f"wallet {w['wallet_id']} has a negative balance", w)
     for lot in run.rows("lots"):
@@ -465,12 +455,11 @@ def check_ledger(run: Run) -> list[Violation]:
     entries = run.rows("ledger_entries")
     txns = {t["ledger_txn_id"]: t for t in run.rows("ledger_transactions")}
     wallets = {w["wallet_id"]: w for w in run.rows("wallets")}
+    unbalanced = invariants.unbalanced(entries)
     for txn_id, es in _by(entries, "ledger_txn_id").items():
-        sums = Counter()
-        for e in es:
-            sums[e["unit_code"]] += e["amount_delta"]
-        if any(sums.values()):
-            found.add(f"ledger transaction {txn_id} does not balance: {dict(sums)}", [txns[txn_id]] if txn_id in txns else [], es)
+        if txn_id in unbalanced:
+            found.add(f"ledger transaction {txn_id} does not balance: {unbalanced[txn_id]}",
+                      [txns[txn_id]] if txn_id in txns else [], es)
         if txn_id not in txns:
             found.add(f"ledger entries of transaction {txn_id}, which does not exist", es)
     for e in entries:
@@ -492,17 +481,9 @@ def check_ledger(run: Run) -> list[Violation]:
     for a in run.rows("allowances"):
         open_reserved[a["wallet_id"]] += a["amount"]
     for wid, w in wallets.items():
-        # billing.wallet_checks.findings, over the facts.
-        diffs = {col: (aggregate[wid][bucket], w[col]) for bucket, col in SNAPSHOT_COLUMNS.items()
-                 if aggregate[wid][bucket] != w[col]}
-        if "allowances" in run.facts and open_reserved[wid] != w["reserved_amount"]:
-            diffs["reserved vs open reservations"] = (open_reserved[wid], w["reserved_amount"])
-        if w["account_type"] != POSTPAID:
-            ls = lots.get(wid, [])
-            for what, col, lot_col in (("lots remaining", "available_amount", "remaining_amount"),
-                                       ("lots reserved", "reserved_amount", "reserved_amount")):
-                if sum(lot[lot_col] for lot in ls) != w[col]:
-                    diffs[f"{col} vs {what}"] = (sum(lot[lot_col] for lot in ls), w[col])
+        # invariants.wallet_findings, over the facts (open reservations only where allowances were recorded).
+        diffs = invariants.wallet_differences(w, aggregate[wid], lots.get(wid, []),
+                                              open_reserved[wid] if "allowances" in run.facts else None)
         if diffs:
             found.add(f"wallet {wid}: snapshot differs (expected, actual): {diffs}", w, lots.get(wid, [])[:3])
     return found.result()
@@ -519,7 +500,7 @@ def _expected_charges(charge: dict[str, Any], reservation: dict[str, Any], walle
     policy = policies.resolve(charge["charge_policy_code"])
     state, _, stage = (charge["settled_outcome"] or "").partition("/")
     account = wallet["account_type"] if wallet else None
-    if account is None or (policy.over_reservation == policies.POSTPAID_CREDIT and account == POSTPAID):
+    if account is None or (policy.over_reservation == policies.POSTPAID_CREDIT and account == invariants.POSTPAID):
         return None
     out = set()
     for pc in ([provider_charged] if provider_charged is not None else [True, False]):
@@ -579,7 +560,7 @@ def check_charged_once(run: Run) -> list[Violation]:
         mine = by_reservation.get(r["reservation_id"], [])
         closes = Counter(x["event_type"] for x in mine if x["event_type"] in (SETTLE, RELEASE))
         held = sum(e["amount_delta"] for x in mine for e in entries.get(x["ledger_txn_id"], []) if e["bucket"] == RESERVED)
-        if r["state"] not in CLOSED_CREDIT_RESERVATION or r["settled_amount"] + r["released_amount"] != r["reserved_amount"]:
+        if r["state"] not in invariants.CLOSED_CREDIT_RESERVATION or r["settled_amount"] + r["released_amount"] != r["reserved_amount"]:
             found.add(f"task {task_id}: credit reservation left {r['state']}, settled {r['settled_amount']} + released "
                       f"{r['released_amount']} of {r['reserved_amount']}", t, r)
         elif any(n > 1 for n in closes.values()) or (r["reserved_amount"] > 0 and not closes):

@@ -58,6 +58,7 @@ from aivedio_tools.chaos import plan as plans
 from aivedio_tools.chaos.redis_server import RedisServer, free_port
 from aivedio_tools.chaos.workload import History, Workload
 from aivedio_tools.provider_sim import SimulatorServer
+from aivedio import tasks
 
 log = logging.getLogger("aivedio_tools.chaos")
 
@@ -89,16 +90,16 @@ select s.resource_key, s.shard_no, s.used_units, s.capacity_units,
                   where r.resource_key = s.resource_key and r.shard_no = s.shard_no and r.state = 'ACTIVE'), 0)::bigint
          as active_reserved
   from resource_pool_shard s"""
-LIVE_ATTEMPTS_SQL = """
+LIVE_ATTEMPTS_SQL = f"""
 select provider_account, count(*)::int as n from task_attempt
- where state in ('DISPATCHING', 'SUBMITTED', 'RUNNING', 'SUBMIT_UNKNOWN') group by provider_account"""
-OPEN_TASKS_SQL = """
-select count(*)::int as n from generation_task where state not in ('SUCCEEDED', 'FAILED', 'CANCELLED', 'MANUAL_REVIEW')"""
+ where state in ({tasks.sql_list(tasks.ATTEMPT_LIVE)}) group by provider_account"""
+OPEN_TASKS_SQL = f"""
+select count(*)::int as n from generation_task where state not in ({tasks.sql_list(tasks.TERMINAL | {"MANUAL_REVIEW"})})"""
 # Ended tasks whose charge is not finalized yet: their terminal event is still on its way through
 # the relay and settlement (a dispatcher restarted after a crash takes a few seconds).
-UNSETTLED_TASKS_SQL = """
+UNSETTLED_TASKS_SQL = f"""
 select count(*)::int as n from generation_task t join generation_charge c using (task_id)
- where t.state in ('SUCCEEDED', 'FAILED', 'CANCELLED') and c.finalized_at is null"""
+ where t.state in ({tasks.sql_list(tasks.TERMINAL)}) and c.finalized_at is null"""
 SETTLEMENT_GRACE_S = 10.0
 
 

@@ -20,7 +20,6 @@ NAMESPACE = uuid.UUID("8f0d5a8e-7f69-4c1f-9b1e-6a3c2d10c4a1")
 REQUEST_TIMEOUT_S = 5.0
 BODY_SHORT = {"model": "video-model-x", "mode": "text_to_video", "prompt": "a fox in the snow", "duration_seconds": 5, "resolution": "720p"}
 BODY_LONG = {**BODY_SHORT, "duration_seconds": 10}
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
 def sha(data: bytes) -> str:

@@ -12,8 +12,8 @@ from collections import Counter
 from typing import Any
 
 from aivedio.admin import dashboard
+from aivedio.tasks import TERMINAL
 
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "MEDIA_INGEST_FAILED")
 SAMPLE_SECONDS = 1.0
 
 # Per demo tenant and lane: queued and running tasks and units, the oldest queued wait.
@@ -115,7 +115,7 @@ class Sampler:
             return False
         with self.platform.db.connection() as conn:
             n = conn.execute("select count(*) as n from generation_task where task_id = any(%s::uuid[]) and state <> all(%s)",
-                             (ids, list(TERMINAL))).fetchone()["n"]
+                             (ids, sorted(TERMINAL))).fetchone()["n"]
         return n == 0
 
 

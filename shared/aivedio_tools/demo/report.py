@@ -5,7 +5,7 @@ page has its tables and verdicts and says that the plots need `pip install -e '.
 
 VERDICTS, each an invariant with its figure; any that fails makes `aivedio demo` exit 1:
 - ledger_balanced: no ledger transaction whose entries do not sum to zero;
-- snapshots_equal_ledger: the wallet check (aivedio.billing.wallet_checks.findings, read-only) finds
+- snapshots_equal_ledger: the wallet check (aivedio.invariants.wallet_findings, read-only) finds
   every wallet's snapshot equal to its ledger, its reservations and its lots;
 - no_capacity_exceeded: no simulated provider account ran more jobs at once than the platform's
   max_concurrency for it (the simulators are given 10x, so an overshoot shows in their own peak);
@@ -22,25 +22,19 @@ from collections import Counter, defaultdict
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from aivedio.billing import wallet_checks
+from aivedio import invariants, tasks
 from aivedio.spend.costs import cost_report
 from aivedio.spend.invoices import reconcile_day
 
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "MEDIA_INGEST_FAILED")
-
-UNBALANCED_TXNS = """select count(*)::int as n from (select ledger_txn_id from ledger_entry
-                      group by ledger_txn_id having sum(amount_delta) <> 0) u"""
+# What the verdicts' figures say beside each invariant's count (aivedio.invariants decides each verdict).
 LEDGER_TXNS = "select count(*)::int as n from ledger_transaction"
-NOT_TERMINAL = """select state, count(*)::int as n from generation_task
-                   where (%(ids)s::uuid[] is null or task_id = any(%(ids)s::uuid[])) and state <> all(%(terminal)s)
-                   group by state"""
-ACTIVE_ON_TERMINAL = """select count(*)::int as n from resource_reservation r join generation_task t using (task_id)
-                         where r.state = 'ACTIVE' and t.state = any(%(terminal)s)
-                           and (%(ids)s::uuid[] is null or t.task_id = any(%(ids)s::uuid[]))"""
-OPEN_CREDIT_ON_TERMINAL = """select count(*)::int as n, coalesce(sum(c.reserved_amount - c.settled_amount - c.released_amount), 0)::bigint as amount
+NOT_TERMINAL_BY_STATE = """select state, count(*)::int as n from generation_task
+                            where (%(tasks)s::uuid[] is null or task_id = any(%(tasks)s::uuid[])) and state <> all(%(terminal)s)
+                            group by state"""
+OPEN_CREDIT_ON_TERMINAL = """select coalesce(sum(c.reserved_amount - c.settled_amount - c.released_amount), 0)::bigint as amount
                               from credit_reservation c join generation_task t using (task_id)
                              where t.state = any(%(terminal)s) and c.reserved_amount - c.settled_amount - c.released_amount > 0
-                               and (%(ids)s::uuid[] is null or t.task_id = any(%(ids)s::uuid[]))"""
+                               and (%(tasks)s::uuid[] is null or t.task_id = any(%(tasks)s::uuid[]))"""
 RUN_TASKS = """
 select t.task_id::text as task_id, t.tenant_id::text as tenant_id, t.queue_class as lane, t.fairness_units, t.state,
        t.resolution, t.created_at, t.updated_at, t.selected_provider,
@@ -103,7 +97,7 @@ def task_queue_items(lane_tasks: list[dict], name_of) -> list[dict]:
     """A lane's tasks as queued work: queued from admission until claimed (or cancelled while queued)."""
     return [{"id": t["task_id"], "tenant": name_of(t), "units": t["fairness_units"], "queued_at": t["created_at"],
              "claimed_at": t["claimed_at"],
-             "left_at": t["claimed_at"] or (t["updated_at"] if t["state"] in TERMINAL else None)} for t in lane_tasks]
+             "left_at": t["claimed_at"] or (t["updated_at"] if t["state"] in tasks.TERMINAL else None)} for t in lane_tasks]
 
 
 def media_queue_items(jobs: list[dict], name_of) -> list[dict]:
@@ -121,20 +115,23 @@ def _verdict(name: str, ok: bool, figure: str, **detail: Any) -> dict:
 
 
 def database_verdicts(platform, task_ids: list[str] | None) -> list[dict]:
-    """The verdicts PostgreSQL alone decides: over `task_ids` (None: every task in the database)."""
-    q = {"ids": task_ids, "terminal": list(TERMINAL)}
+    """The verdicts PostgreSQL alone decides (aivedio.invariants): over `task_ids` (None: every task
+    in the database)."""
+    q = {"tasks": task_ids, "terminal": invariants.TERMINAL_STATES}
     with platform.db.connection() as conn:
-        unbalanced = conn.execute(UNBALANCED_TXNS).fetchone()["n"]
+        unbalanced = invariants.broken(conn, invariants.LEDGER_BALANCED)
         txns = conn.execute(LEDGER_TXNS).fetchone()["n"]
         wallet_ids = [r["wallet_id"] for r in conn.execute("select wallet_id from wallet_account order by wallet_id").fetchall()]
-        not_terminal = {r["state"]: r["n"] for r in conn.execute(NOT_TERMINAL, q).fetchall()}
-        active = conn.execute(ACTIVE_ON_TERMINAL, q).fetchone()["n"]
-        credit = conn.execute(OPEN_CREDIT_ON_TERMINAL, q).fetchone()
+        not_terminal = invariants.broken(conn, invariants.EVERY_TASK_TERMINAL, task_ids)
+        by_state = {r["state"]: r["n"] for r in conn.execute(NOT_TERMINAL_BY_STATE, q).fetchall()}
+        active = invariants.broken(conn, invariants.NOTHING_HELD_BY_TERMINAL_TASKS, task_ids)
+        open_credit = invariants.broken(conn, invariants.NO_OPEN_CREDIT_ON_TERMINAL_TASKS, task_ids)
+        credit_amount = conn.execute(OPEN_CREDIT_ON_TERMINAL, q).fetchone()["amount"]
     mismatched = []
     for wid in wallet_ids:  # read-only: a demo never freezes a wallet; the scheduled check does that
         def check(conn, wid=wid):
             w = conn.execute("select * from wallet_account where wallet_id = %s", (wid,)).fetchone()
-            return wallet_checks.findings(conn, w)
+            return invariants.wallet_findings(conn, w)
 
         found = platform.db.transaction(check)
         if found:
@@ -144,12 +141,12 @@ def database_verdicts(platform, task_ids: list[str] | None) -> list[dict]:
         _verdict("ledger_balanced", unbalanced == 0, f"{unbalanced} of {txns} ledger transactions unbalanced"),
         _verdict("snapshots_equal_ledger", not mismatched, f"{len(mismatched)} of {len(wallet_ids)} wallets differ from their ledger",
                  **({"wallets": mismatched[:5]} if mismatched else {})),
-        _verdict("every_task_terminal", not not_terminal,
-                 f"{sum(not_terminal.values())} of {n_tasks if n_tasks is not None else 'all'} tasks not terminal"
-                 + (f" ({', '.join(f'{k} {v}' for k, v in sorted(not_terminal.items()))})" if not_terminal else "")),
-        _verdict("nothing_left_reserved", active == 0 and credit["n"] == 0,
-                 f"{active} capacity reservations ACTIVE and {credit['n']} credit reservations open "
-                 f"({credit['amount']} credits) on terminal tasks"),
+        _verdict("every_task_terminal", not_terminal == 0,
+                 f"{not_terminal} of {n_tasks if n_tasks is not None else 'all'} tasks not terminal"
+                 + (f" ({', '.join(f'{k} {v}' for k, v in sorted(by_state.items()))})" if by_state else "")),
+        _verdict("nothing_left_reserved", active == 0 and open_credit == 0,
+                 f"{active} capacity reservations ACTIVE and {open_credit} credit reservations open "
+                 f"({credit_amount} credits) on terminal tasks"),
     ]
 
 

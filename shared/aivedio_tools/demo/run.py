@@ -46,7 +46,6 @@ from aivedio_tools.local.embedded import stop_embedded, with_embedded_servers
 from aivedio_tools.local.runtime import LocalRuntime, _default_api_url
 from aivedio_tools.provider_sim import SimulatorServer
 
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "MEDIA_INGEST_FAILED")  # aivedio.tasks.TERMINAL
 DEFAULT_TIME_SCALE = 30.0  # an hour of platform time in two real minutes
 PROMPTS = ("a fox running through snow", "city lights at dusk, slow pan", "waves on a rocky shore",
            "a paper boat in rain", "a lighthouse in a storm, drone shot", "ink drops blooming in water")

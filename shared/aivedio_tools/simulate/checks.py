@@ -1,11 +1,12 @@
-"""What a finished run left in PostgreSQL: the task records the metrics are computed from, and the
-invariants checked against the database itself (the reservations are the facts; counters, task
-states and DRR rows must agree with them), and measured figures against a scenario's prediction."""
+"""What a finished run left in PostgreSQL: the task records the metrics are computed from, the
+platform's invariants checked against the database itself (aivedio.invariants: the reservations are
+the facts; counters, task states and DRR rows must agree with them), and measured figures against a
+scenario's prediction."""
 from __future__ import annotations
 
 import psycopg
 
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+from aivedio import invariants
 
 
 def collect(conn: psycopg.Connection, clock, stats) -> dict:
@@ -36,41 +37,19 @@ def _check(ok: bool, **detail) -> dict:
     return {"ok": bool(ok), **detail}
 
 
+# A simulated run has no provider faults, so no task is ever tried twice (its own promise, beside
+# the platform's invariants).
+SEVERAL_ATTEMPTS = "select count(*)::int as n from (select task_id from task_attempt group by task_id having count(*) > 1) x"
+
+
 def database_invariants(conn: psycopg.Connection) -> dict:
-    q = lambda sql: conn.execute(sql).fetchone()  # noqa: E731
+    """Every invariant that holds at any moment (aivedio.invariants.ALWAYS), and one attempt a task."""
     out = {}
-    r = q("""select count(*) as n, coalesce(min(used_units), 0) as min_used,
-                    count(*) filter (where used_units > capacity_units) as over
-               from resource_pool_shard where used_units < 0 or used_units > capacity_units""")
-    out["shard_counters_within_0_and_capacity"] = _check(r["n"] == 0, bad_shards=r["n"])
-    r = q("""with truth as (
-                 select s.resource_key, s.shard_no, s.used_units, coalesce(sum(r.reserved_units), 0) as active
-                   from resource_pool_shard s
-                   left join resource_reservation r on r.resource_key = s.resource_key and r.shard_no = s.shard_no
-                                                   and r.state = 'ACTIVE'
-                  group by s.resource_key, s.shard_no, s.used_units)
-             select count(*) filter (where used_units <> active) as n from truth""")
-    out["shard_counters_equal_active_reservations"] = _check(r["n"] == 0, mismatched_shards=r["n"])
-    r = q("""select count(*) as n from resource_reservation r join generation_task t using (task_id)
-              where r.state = 'ACTIVE' and t.state in ('SUCCEEDED', 'FAILED', 'CANCELLED')""")
-    out["no_active_reservation_for_finished_task"] = _check(r["n"] == 0, reservations=r["n"])
-    r = q("""select count(*) as n from resource_reservation r
-               join task_attempt a using (attempt_id) join generation_task t on t.task_id = r.task_id
-              where r.state = 'ACTIVE' and (a.state in ('SUCCEEDED', 'FAILED', 'CANCELLED') or t.current_attempt_id <> a.attempt_id)""")
-    out["active_reservations_belong_to_live_attempts"] = _check(r["n"] == 0, reservations=r["n"])
-    r = q("""select count(*) as n from generation_task t
-              where t.state in ('DISPATCHING', 'RUNNING')
-                and not exists (select 1 from resource_reservation r where r.attempt_id = t.current_attempt_id
-                                  and r.state = 'ACTIVE' and r.resource_key like 'lane:%%')""")
-    out["running_tasks_hold_a_lane_reservation"] = _check(r["n"] == 0, tasks=r["n"])
-    r = q("select count(*) as n, coalesce(min(deficit), 0) as min_deficit from drr_lane_tenant where deficit < 0 or fairness_debt < 0")
-    out["drr_deficits_nonnegative"] = _check(r["n"] == 0, rows=r["n"])
-    r = q("select count(*) as n from (select task_id from task_attempt group by task_id having count(*) > 1) x")
-    out["one_attempt_per_task"] = _check(r["n"] == 0, tasks_with_several_attempts=r["n"])
-    r = q("""select count(*) as n from generation_task
-              where (state = 'SUCCEEDED' and (started_at is null or finished_at is null or finished_at < started_at))
-                 or (state = 'QUEUED' and current_attempt_id is not null)""")
-    out["task_rows_consistent"] = _check(r["n"] == 0, tasks=r["n"])
+    for inv in invariants.ALWAYS:
+        n = invariants.broken(conn, inv)
+        out[inv.name] = _check(n == 0, broken=n)
+    several = conn.execute(SEVERAL_ATTEMPTS).fetchone()["n"]
+    out["one_attempt_per_task"] = _check(several == 0, tasks_with_several_attempts=several)
     return out
 
 
