@@ -9,10 +9,12 @@ import pytest
 import redis
 
 from aivedio_tools.bench.latency import pair_freed_slots, queue_was_deep
-from aivedio_tools.bench.scheduler import bench_claims, bench_pick_cost, bench_queue_depth
+from psycopg.rows import dict_row
+
+from aivedio_tools.bench.scheduler import bench_claims, bench_pick_cost, bench_queue_depth, seed_tasks, seed_tenants
 from aivedio_tools.bench.scratch import SCHEDULER_DATABASE_PREFIX as DATABASE_PREFIX
 from aivedio_tools.bench.scratch import SCHEDULER_REDIS_PREFIX as REDIS_PREFIX
-from tests.conftest import admin_url
+from tests.conftest import admin_url, create_test_database, drop_test_database
 
 # The leftover check compares every scratch database of these benchmarks, so the tests must not
 # overlap one another on parallel workers: each holds this advisory lock for its whole run.
@@ -107,3 +109,36 @@ def test_freed_slots_are_paired_first_freed_first_filled():
     assert pair_freed_slots([1.0, 1.2], [0.0, 0.1, 1.1, 1.5], lambda t: t > 1.1) == pytest.approx([300.0])
     deep = queue_was_deep(admitted=[0.0, 0.1, 0.2, 0.3], created=[0.05, 0.15], margin=1)
     assert not deep(0.1) and deep(0.3)
+
+
+QUEUE_COUNTS = """
+select 'user' as kind, tenant_id::text || '/' || user_id::text || '/' || queue_class as k, queued_tasks, queued_units
+  from task_queue_usage where queued_tasks <> 0
+union all
+select 'shard', tenant_id::text || '/' || queue_class || '/' || shard, queued_tasks, queued_units
+  from tenant_queue_usage where queued_tasks <> 0
+order by 1, 2"""
+
+
+def test_a_bulk_seed_counts_its_tasks_as_the_row_trigger_does():
+    """The scheduler bench seeds a million tasks with their queue counters written once (the row
+    trigger off for that insert): the counters must come out as the trigger keeps them."""
+    counts = {}
+    for bulk in (False, True):
+        url = create_test_database(f"bench_seed_{int(bulk)}")
+        try:
+            with psycopg.connect(url, autocommit=True, row_factory=dict_row) as c:
+                with c.transaction():
+                    seed_tenants(c, 5)
+                assert seed_tasks(c, 30, bulk=bulk) == 150
+                assert seed_tasks(c, 2, key="again", bulk=bulk) == 10  # onto counters that exist already
+                counts[bulk] = [(r["kind"], r["k"].split("/", 1)[1] if r["kind"] == "shard" else None, r["queued_tasks"],
+                                 r["queued_units"]) for r in c.execute(QUEUE_COUNTS).fetchall()]
+                trigger = c.execute("""select tgenabled from pg_trigger
+                                        where tgname = 'generation_task_queue_usage_insert'""").fetchone()
+                assert trigger["tgenabled"] == "O"  # switched back on
+                assert sum(q for kind, _, q, _ in counts[bulk] if kind == "user") == 160
+        finally:
+            drop_test_database(url)
+    # Tenants differ between the two databases: compare the counts per user and per shard of a lane.
+    assert sorted(x[2:] for x in counts[True]) == sorted(x[2:] for x in counts[False])

@@ -211,3 +211,40 @@ def test_redis_through_the_proxy(own_redis):
     s = proxy.stats()
     assert s["upstream_refused"] >= 1 and s["bytes_up"] > len(blob) and s["bytes_down"] > len(blob)
     r.close()
+
+
+def test_a_unix_socket_upstream_the_embedded_postgresql_listens_on(tmp_path):
+    """The embedded PostgreSQL (pgserver) listens on a unix socket only: the proxy forwards TCP to it."""
+    import socket
+
+    path = str(tmp_path / ".s.PGSQL.5432")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def echo() -> None:
+        c, _ = server.accept()
+        with c:
+            c.sendall(c.recv(64).upper())
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    proxy = FaultProxy(path, None).start()
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as s:
+            s.sendall(b"ping")
+            assert s.recv(64) == b"PING"
+    finally:
+        proxy.stop()
+        server.close()
+    assert not _proxy_threads(proxy)
+
+
+def test_a_node_reaches_the_embedded_postgresql_through_the_proxy_by_tcp_alone():
+    from aivedio_tools.chaos.runner import _via, postgres_upstream
+
+    embedded = "postgresql://postgres:@/postgres?host=/home/x/.aivedio/pgdata"
+    assert postgres_upstream(embedded) == ("/home/x/.aivedio/pgdata/.s.PGSQL.5432", None)
+    assert _via(embedded, 6000) == "postgresql://postgres:@127.0.0.1:6000/postgres"  # no host= left to win over TCP
+    assert postgres_upstream("postgresql://postgres@127.0.0.1:5433/db") == ("127.0.0.1", 5433)
+    assert _via("postgresql://u:p@db.internal:5432/db?sslmode=require", 6000) == "postgresql://u:p@127.0.0.1:6000/db?sslmode=require"

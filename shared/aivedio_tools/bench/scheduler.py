@@ -97,7 +97,7 @@ def seed_tenants(conn, n: int, *, weights: int = 1, tag: str = "t") -> None:
     )
 
 
-TASK_INSERT = """
+INSERT_TASKS = """
 insert into generation_task
     (tenant_id, user_id, queue_class, priority_band, base_priority_band, resource_class, state, model_code,
      fairness_units, provider_slot_units, estimated_cost_units, enqueue_at, next_eligible_at, policy_version,
@@ -112,13 +112,44 @@ select u.tenant_id, u.user_id, %(lane)s, 3, 3, 'video-standard', 'QUEUED', 'vide
  where t.name like %(tag)s || '-%%' {cond}
  order by g, u.tenant_id
 """
+# A bulk seed writes the queue counters (task_queue_usage per user, tenant_queue_usage per shard,
+# which migration 0230's row trigger keeps) once per user and shard for the whole insert, in the
+# same statement, with the row trigger off: a million inserted rows would otherwise upsert the same
+# few counter rows a million times in one transaction (over fifteen minutes for the scheduler bench).
+QUEUE_USAGE_TRIGGER = "generation_task_queue_usage_insert"
+BULK_INSERT_TASKS = """
+with inserted as ({insert} returning tenant_id, user_id, queue_class, fairness_units),
+per_user as (
+    insert into task_queue_usage as q (tenant_id, user_id, queue_class, queued_tasks, queued_units)
+    select tenant_id, user_id, queue_class, count(*), sum(fairness_units) from inserted group by 1, 2, 3
+    on conflict (tenant_id, user_id, queue_class) do update
+       set queued_tasks = q.queued_tasks + excluded.queued_tasks, queued_units = q.queued_units + excluded.queued_units),
+per_shard as (
+    insert into tenant_queue_usage as s (tenant_id, queue_class, shard, queued_tasks, queued_units)
+    select tenant_id, queue_class, aivedio_queue_shard(user_id), count(*), sum(fairness_units) from inserted group by 1, 2, 3
+    on conflict (tenant_id, queue_class, shard) do update
+       set queued_tasks = s.queued_tasks + excluded.queued_tasks, queued_units = s.queued_units + excluded.queued_units)
+select count(*)::int as n from inserted
+"""
 
 
-def seed_tasks(conn, per_tenant: int, *, units: int = TASK_BASE_UNITS, tag: str = "t", key: str = "b", tenant_id=None) -> int:
-    """per_tenant QUEUED tasks for each tenant (or one tenant), FIFO-interleaved across tenants."""
+def seed_tasks(conn, per_tenant: int, *, units: int = TASK_BASE_UNITS, tag: str = "t", key: str = "b", tenant_id=None,
+               bulk: bool = False) -> int:
+    """per_tenant QUEUED tasks for each tenant (or one tenant), FIFO-interleaved across tenants.
+    `bulk`: BULK_INSERT_TASKS, the trigger off in this transaction only (the ALTER holds the
+    table's lock until the commit that switched it back on, so no other writer misses a count);
+    for a seed before the measurement, never for one while schedulers run."""
     cond = "and u.tenant_id = %(tenant)s" if tenant_id is not None else ""
-    return conn.execute(TASK_INSERT.format(cond=cond), dict(lane=LANE, units=units, per=per_tenant, tag=tag, key=key + "-",
-                                                            tenant=tenant_id)).rowcount
+    params = dict(lane=LANE, units=units, per=per_tenant, tag=tag, key=key + "-", tenant=tenant_id)
+    insert = INSERT_TASKS.format(cond=cond)
+    if not bulk:
+        return conn.execute(insert, params).rowcount
+    with conn.transaction():
+        conn.execute(f"alter table generation_task disable trigger {QUEUE_USAGE_TRIGGER}")
+        n = conn.execute(BULK_INSERT_TASKS.format(insert=insert.strip()), params).fetchone()["n"]
+        conn.execute("set constraints all immediate")  # the insert's deferred checks, which an ALTER may not leave pending
+        conn.execute(f"alter table generation_task enable trigger {QUEUE_USAGE_TRIGGER}")
+    return n
 
 
 def prepare_database(conn, config: PlatformConfig) -> None:
@@ -231,7 +262,7 @@ def bench_claims(admin_url: str, redis_url: str | None, *, workers: int, seconds
         with p.db.connection() as conn:
             with conn.transaction():
                 seed_tenants(conn, tenants, weights=4)
-                seed_tasks(conn, tasks_per_tenant)
+                seed_tasks(conn, tasks_per_tenant, bulk=True)
             vacuum_analyze(conn)
         ring_s = build_ring(p)
         setup_s = round(time.perf_counter() - t0, 2)
@@ -390,7 +421,7 @@ def _depth_env(stack, admin_url: str, redis_url: str | None, *, tenants: int, qu
         conn.execute("set synchronous_commit = off")  # this setup session only
         with conn.transaction():
             seed_tenants(conn, tenants, weights=1)
-            seeded = seed_tasks(conn, max(1, queued // tenants))
+            seeded = seed_tasks(conn, max(1, queued // tenants), bulk=True)
         conn.execute("reset synchronous_commit")
         vacuum_analyze(conn)
     ring_s = build_ring(p) if p.cache is not None else None

@@ -78,8 +78,7 @@ class _Link:
     def _run_up(self) -> None:
         # Connect here, not in the accept loop, so one slow upstream does not hold up the others.
         try:
-            self.upstream = socket.create_connection(
-                (self.proxy.target_host, self.proxy.target_port), timeout=self.proxy.connect_timeout)
+            self.upstream = self.proxy.connect_upstream()
         except OSError:
             self.proxy._count("upstream_refused")
             self.closing.set()
@@ -88,7 +87,8 @@ class _Link:
             return
         for s in (self.client, self.upstream):
             s.settimeout(TICK)
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small requests go out at once
+            if s.family != socket.AF_UNIX:
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small requests go out at once
         if self.closing.is_set():  # a drop or reset landed while we were connecting
             self.end()
         self.proxy._spawn(lambda: self._pump(self.upstream, self.client, "bytes_down"), "down")
@@ -150,7 +150,10 @@ class _Link:
 
 
 class FaultProxy:
-    def __init__(self, target_host: str, target_port: int, listen_port: int = 0,
+    """Listens on TCP; forwards to `target_host`:`target_port`, or, with no port, to the unix
+    socket at the path `target_host` (the embedded PostgreSQL listens on one only)."""
+
+    def __init__(self, target_host: str, target_port: int | None, listen_port: int = 0,
                  listen_host: str = "127.0.0.1", connect_timeout: float = 5.0):
         self.target_host = target_host
         self.target_port = target_port
@@ -167,6 +170,18 @@ class FaultProxy:
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._threads: list[threading.Thread] = []  # the links' threads, pruned as they end
+
+    def connect_upstream(self) -> socket.socket:
+        if self.target_port is None:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(self.connect_timeout)
+            try:
+                s.connect(self.target_host)
+            except OSError:
+                s.close()
+                raise
+            return s
+        return socket.create_connection((self.target_host, self.target_port), timeout=self.connect_timeout)
 
     # -- lifecycle --
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import sql
@@ -122,10 +122,22 @@ def _with_db(url: str, name: str) -> str:
 
 
 def _via(url: str, port: int) -> str:
-    """The URL with its host and port replaced by the fault proxy's."""
+    """The URL with its host and port replaced by the fault proxy's, and no `host=` of a unix
+    socket's directory left in its query (libpq would prefer that to the proxy)."""
     u = urlsplit(url)
     auth = u.netloc.rsplit("@", 1)[0] + "@" if "@" in u.netloc else ""
-    return urlunsplit((u.scheme, f"{auth}127.0.0.1:{port}", u.path, u.query, u.fragment))
+    query = urlencode([(k, v) for k, v in parse_qsl(u.query, keep_blank_values=True) if k != "host"])
+    return urlunsplit((u.scheme, f"{auth}127.0.0.1:{port}", u.path, query, u.fragment))
+
+
+def postgres_upstream(url: str) -> tuple[str, int | None]:
+    """Where the fault proxy reaches the PostgreSQL of `url`: its host and port, or the path of its
+    unix socket (`?host=<directory>`, as the embedded server's URL names it) and no port."""
+    u = urlsplit(url)
+    directory = dict(parse_qsl(u.query)).get("host") or (u.hostname if (u.hostname or "").startswith("/") else None)
+    if directory:
+        return f"{directory}/.s.PGSQL.{u.port or 5432}", None
+    return u.hostname or "127.0.0.1", u.port or 5432
 
 
 def create_database(admin_url: str, label: str) -> str:
@@ -523,9 +535,8 @@ def run(seed: int, duration: float, out_dir: Path, *, admin_url: str, target: st
                                              simulator=behaviour, submit_timeout_seconds=SUBMIT_TIMEOUT_S),
                               behaviour, plans.TIME_SCALE, port=0).start()
         cleanup.callback(sim.stop)
-        pg = urlsplit(db_url)
         proxies = {}
-        for name, (host, port) in {"pg": (pg.hostname or "127.0.0.1", pg.port or 5432), "redis": ("127.0.0.1", redis_server.port),
+        for name, (host, port) in {"pg": postgres_upstream(db_url), "redis": ("127.0.0.1", redis_server.port),
                                    "provider": ("127.0.0.1", urlsplit(sim.base_url).port)}.items():
             proxies[name] = proxy.FaultProxy(host, port).start()
             cleanup.callback(proxies[name].stop)
