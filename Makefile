@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-10)
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 
-.PHONY: run test bench synth layer lint clean migrate soak
+.PHONY: run test bench synth layer lint docs clean migrate soak
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,14 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/aivedio bench --json
+
+# docs/configuration.md and docs/cli.md, from the config model and the CLI's parsers.
+docs: $(STAMP)
+	$(PY) -m aivedio_tools.docs
+
+# The house's static rules (tests/unit/test_house.py) and the docs' freshness and links (tests/unit/test_docs.py).
+lint: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit/test_house.py tests/unit/test_docs.py
 
 clean:
 	rm -rf $(VENV) .aivedio cdk.out build

@@ -1,5 +1,5 @@
 """The admin API's own API Gateway (REST, regional) in front of the `admin_api` function: the
-operator plane (contracts/admin-api.md) and its dashboard, apart from the tenant API so that its
+operator plane (docs/admin-api.md) and its dashboard, apart from the tenant API so that its
 throttle, logs and concurrency are its own and a tenant flood never reaches it.
 
 - Paths: only /admin/{proxy+}, /dashboard and /dashboard/{proxy+} are integrated (proxy, every

@@ -1,7 +1,7 @@
 """The deployed platform's configuration (aivedio.cloud_config reads both at a cold start):
 
 - `PlatformConfigParameter` (app stack): an SSM parameter holding the TOML document of
-  contracts/operations.md, from `infra_cdk/platform-config/<stage>.toml`. Synthesis validates the
+  docs/configuration.md, from `infra_cdk/platform-config/<stage>.toml`. Synthesis validates the
   file as the functions will (every provider external, no secret in it), so a bad config fails
   `cdk synth`, not a cold start. Every function may read it.
 - `ProviderCredentials` (data stack, so a redeploy of the app never loses what was typed in): the
@@ -58,7 +58,7 @@ class PlatformConfigParameter(Construct):
         self.parameter = ssm.StringParameter(
             self, "Parameter", parameter_name=f"/{stage.prefix}/platform-config", string_value=text,
             tier=ssm.ParameterTier.ADVANCED if len(text.encode()) > 4096 else ssm.ParameterTier.STANDARD,
-            description="AiVedio platform config (TOML of contracts/operations.md); no secrets")
+            description="AiVedio platform config (TOML of docs/configuration.md); no secrets")
 
 
 class ProviderCredentials(Construct):

@@ -14,7 +14,7 @@ from aivedio.auth import Caller, issue_key
 from aivedio.billing.ledger import ledger_aggregate
 from aivedio_tools.local.runtime import LocalRuntime
 
-# The contract's status for every decision code (contracts/tenant-api.md, issue 3).
+# The contract's status for every decision code (docs/tenant-api.md, issue 3).
 CONTRACT_STATUS = {
     "REJECT_USER_RATE_LIMIT": 429,
     "REJECT_TENANT_RATE_LIMIT": 429,

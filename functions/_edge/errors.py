@@ -1,4 +1,4 @@
-"""The API's error contract (contracts/tenant-api.md): every error body is
+"""The API's error contract (docs/tenant-api.md): every error body is
 `{"error": CODE, "message": "...", "details": {...}}`.
 
 Route modules raise `ApiError` for edge concerns (authentication, headers) and let domain errors

@@ -1,4 +1,4 @@
-"""The gate in front of every admin route (contracts/admin-api.md): the body-size limit, then the
+"""The gate in front of every admin route (docs/admin-api.md): the body-size limit, then the
 operator's token, then the matched route's permission, then the body's envelope.
 
 It runs before request validation, so a caller without the right role learns nothing about a
@@ -29,7 +29,7 @@ F = TypeVar("F", bound=Callable)
 
 
 def requires(permission: str) -> Callable[[F], F]:
-    """Declare the permission a route needs (an rbac permission name); the function is unchanged."""
+    """Declare the permission a route needs (a permission of aivedio.policy.roles); the function is unchanged."""
 
     def mark(fn: F) -> F:
         fn.admin_permission = permission  # type: ignore[attr-defined]

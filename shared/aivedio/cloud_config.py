@@ -1,4 +1,4 @@
-"""Where a process gets its platform config: the TOML file of contracts/operations.md locally, and
+"""Where a process gets its platform config: the TOML file of docs/configuration.md locally, and
 in AWS the stack's SSM parameter plus the provider secret.
 
 - `AIVEDIO_CONFIG_PARAMETER` names an SSM parameter that holds the same TOML document (providers,

@@ -1,4 +1,4 @@
-"""A provider simulator implementing the whole of contracts/provider-protocol.md, misbehaving in the
+"""A provider simulator implementing the whole of docs/provider-protocol.md, misbehaving in the
 ways the contract allows, as the provider's SimulatorBehaviour configures.
 
     sim = SimulatorServer(provider_config, time_scale=50, port=0).start()

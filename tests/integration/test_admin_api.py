@@ -1,4 +1,4 @@
-"""The admin API (contracts/admin-api.md) through its Lambda handler on the real PostgreSQL and
+"""The admin API (docs/admin-api.md) through its Lambda handler on the real PostgreSQL and
 Redis: who gets in (401, 403, the tenant key, the admin token on the tenant API), every role
 against every admin route (iterated from the app, so each route module's routes are covered as they
 are added), and the tenants, keys, lanes and operations routes. One test goes through the real local

@@ -1,4 +1,4 @@
-"""`aivedio admin user create` (contracts/operations.md) as a user types it: another user of a tenant
+"""`aivedio admin user create` (docs/operations.md) as a user types it: another user of a tenant
 with its own API key (shown once), its own per-user limits, audited; an unknown tenant is NOT_FOUND."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Admission over the real PostgreSQL and Redis (issue 3, contracts/tenant-api.md).
+"""Admission over the real PostgreSQL and Redis (issue 3, docs/tenant-api.md).
 
 Each decision code is produced by the condition that names it, through the real `api` handler
 behind the local HTTP server, with the contract's HTTP status; and each rejection writes nothing.

@@ -1,4 +1,4 @@
-"""Request rules of the tenant API (contracts/tenant-api.md), through the real `api` handler behind
+"""Request rules of the tenant API (docs/tenant-api.md), through the real `api` handler behind
 the local HTTP server, each refusal writing nothing:
 
 - a prompt is required and not blank: empty, whitespace-only or missing is a 422 naming body.prompt,

@@ -1,4 +1,4 @@
-"""The tenant API against its contract (../shared/contracts/tenant-api.md), over real HTTP: the real
+"""The tenant API against its contract (docs/tenant-api.md), over real HTTP: the real
 `api` handler behind a LocalRuntime, on the module's PostgreSQL database and Redis.
 
 Every response a test reads is also checked against /openapi.json: its status must be documented

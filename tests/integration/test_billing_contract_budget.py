@@ -10,7 +10,7 @@
 - a budget set after its period began starts from what the period already settled and refunded,
   and the counters always equal what the charges and refunds say;
 - a wallet with no budget for the period is limited by its credit limit alone;
-- `aivedio admin contract-budget set` needs BILLING_ADMIN, is audited, refuses overlapping periods
+- `aivedio admin contract-budget set` is audited (the CLI is trusted), refuses overlapping periods
   and wallets that are not POSTPAID, and writes nothing when it refuses."""
 from __future__ import annotations
 

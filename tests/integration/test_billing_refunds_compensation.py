@@ -1,4 +1,4 @@
-"""Refunds and compensation as admin operations under RBAC and audit (issue 6, items 3 and "Bad input").
+"""Refunds and compensation as audited admin operations (issue 6, items 3 and "Bad input").
 
 - a refund references the task's SETTLE (reversal_of), may be partial, returns each credit to the
   lot it was consumed from, and refunds never add up to more than was settled;

@@ -1,4 +1,4 @@
-"""Cancel at every stage that is not terminal (contracts/tenant-api.md "POST .../cancel"), through the
+"""Cancel at every stage that is not terminal (docs/tenant-api.md "POST .../cancel"), through the
 real cancel, the real attempt steps (the attempt workflow's own functions), the lease scanner, the
 local workflow runner with the project's workflow definition, and a provider simulator:
 

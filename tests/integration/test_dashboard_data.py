@@ -1,5 +1,5 @@
-"""The operations dashboard's data and its HTTP edge (issue 16 part 6, contracts/admin-api.md "Pages
-and metrics"): aivedio.admin.dashboard.snapshot's shape, that its figures move when work is admitted
+"""The operations dashboard's data and its HTTP edge (issue 16 part 6, docs/admin-api.md "The
+dashboard"): aivedio.admin.dashboard.snapshot's shape, that its figures move when work is admitted
 and claimed, and the routes: GET /admin/v1/dashboard behind dashboard.read (bearer or the session
 cookie), GET /dashboard showing only a sign-in form without a valid token, and the sign-in setting
 an HttpOnly SameSite=Strict cookie (Secure over https) that logout clears."""

@@ -1,4 +1,4 @@
-"""The Idempotency-Key contract in full (contracts/tenant-api.md), over the real PostgreSQL:
+"""The Idempotency-Key contract in full (docs/tenant-api.md), over the real PostgreSQL:
 
 - the in-flight 409 covers the whole request, input probe included: a second request with the key
   answers IDEMPOTENCY_IN_PROGRESS while the first is still fetching its input (a slow local media

@@ -1,5 +1,5 @@
 """The month close of invoice reconciliation (aivedio.spend.invoices.close_month, `aivedio reconcile
-invoices-close`): refused while the month runs, unreconciled or closed; under RBAC and audit; frozen once
+invoices-close`): refused while the month runs, unreconciled or closed; audited; frozen once
 closed, so what is found or corrected later is booked in the next open month with its original date."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The daily provider-invoice reconciliation (aivedio.spend.invoices) against the real PostgreSQL, driven
 alone: a seeded fixture with one of each discrepancy type, reruns that add nothing, bad input (a 5xx, a
 malformed document, an empty invoice where the platform recorded charges, a line id reused), the
-maintenance run over yesterday and the overlap window, the CLI under RBAC, and the provider simulator's
+maintenance run over yesterday and the overlap window, the CLI as typed (trusted, audited), and the provider simulator's
 late, duplicated and orphan lines."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`aivedio rebuild redis` as an operator types it (contracts/operations.md: rebuilds every Redis
+"""`aivedio rebuild redis` as an operator types it (docs/operations.md: rebuilds every Redis
 structure from PostgreSQL; RBAC redis.rebuild, audited): the platform's keys dropped, each lane's
 ring rebuilt to exactly PostgreSQL's set of tenants with QUEUED tasks, its index_built marker set,
 and the audit log naming who did it and what was rebuilt."""

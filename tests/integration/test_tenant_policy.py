@@ -1,4 +1,4 @@
-"""Tenant scheduling policies (issue 16, contracts/operations.md): `aivedio admin tenant policy
+"""Tenant scheduling policies (issue 16, docs/operations.md): `aivedio admin tenant policy
 show|set` and its core, aivedio.policy.tenant_policy.
 
 - every service class's default policy (admin.tenants.POLICY_DEFAULTS) passes the validation;

@@ -1,4 +1,4 @@
-"""The admin API's policy routes (contracts/admin-api.md) over the real handler behind the local
+"""The admin API's policy routes (docs/admin-api.md) over the real handler behind the local
 HTTP server: GET/PATCH /admin/v1/tenants/{id}/policy and GET .../policy/history.
 
 - every role reads (policy.read); only operator and admin change (policy.write); viewer and finance

@@ -155,10 +155,10 @@ def test_a_broken_safeguard_is_caught_by_its_checker(tmp_path, switch):
     assert not _fired(intact), f"{switch}'s targeted seed fired without the switch: " + json.dumps(_fired(intact), default=str)[:4000]
 
 
-def test_the_readme_lists_every_checker():
+def test_the_testing_doc_lists_every_checker():
     from aivedio_tools.chaos.checkers import CHECKERS
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### The chaos suite", 1)[1].split("\n## ", 1)[0]
+    testing = (Path(__file__).resolve().parents[2] / "docs" / "testing.md").read_text()
+    section = testing.split("## The chaos suite", 1)[1].split("\n## ", 1)[0]
     listed = [line.split("`")[1] for line in section.splitlines() if line.startswith("| `")]
     assert listed == list(CHECKERS)

@@ -1,4 +1,4 @@
-"""The audit log (contracts/admin-api.md `GET /admin/v1/audit`) and its chain's verification. Thin
+"""The audit log (docs/admin-api.md `GET /admin/v1/audit`) and its chain's verification. Thin
 over aivedio.audit."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The live operations dashboard (contracts/admin-api.md "Pages and metrics"): the page, its
+"""The live operations dashboard (docs/admin-api.md "The dashboard"): the page, its
 sign-in into a server-side session whose id rides in an HttpOnly cookie, and the JSON it polls
 (aivedio.admin.dashboard).
 

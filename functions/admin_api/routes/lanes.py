@@ -1,4 +1,4 @@
-"""GET /admin/v1/lanes (contracts/admin-api.md): per lane, capacity, borrowable, queued and running
+"""GET /admin/v1/lanes (docs/admin-api.md): per lane, capacity, borrowable, queued and running
 units, oldest wait. Thin over aivedio.admin.capacity.lane_report (the capacity in force, operators'
 overrides included)."""
 from __future__ import annotations

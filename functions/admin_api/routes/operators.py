@@ -1,4 +1,4 @@
-"""Operators of the admin API and their tokens (contracts/admin-api.md): admin only. Thin over
+"""Operators of the admin API and their tokens (docs/admin-api.md): admin only. Thin over
 aivedio.admin.operators; a token is in the answer of create and rotate, and nowhere else."""
 from __future__ import annotations
 

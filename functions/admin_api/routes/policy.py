@@ -1,4 +1,4 @@
-"""Tenant scheduling policies (contracts/admin-api.md): show, change, history. Thin over
+"""Tenant scheduling policies (docs/admin-api.md): show, change, history. Thin over
 aivedio.policy.tenant_policy, the same core as `aivedio admin tenant policy show|set`."""
 from __future__ import annotations
 

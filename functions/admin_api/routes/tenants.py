@@ -1,4 +1,4 @@
-"""Tenants, their users and API keys (contracts/admin-api.md). Thin over aivedio.admin.tenants,
+"""Tenants, their users and API keys (docs/admin-api.md). Thin over aivedio.admin.tenants,
 users and api_keys; a secret (api_key) is in the answer that issues it and nowhere else. Another
 tenant's key or user reads like one that does not exist (404)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Generations, quotes and cancel (contracts/tenant-api.md). Thin: parse, call the core, shape."""
+"""Generations, quotes and cancel (docs/tenant-api.md). Thin: parse, call the core, shape."""
 from __future__ import annotations
 
 from typing import Annotated

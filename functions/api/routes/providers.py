@@ -1,4 +1,4 @@
-"""Provider webhooks (contracts/tenant-api.md, provider-protocol.md). Public to the gate: the
+"""Provider webhooks (docs/tenant-api.md, docs/provider-protocol.md). Public to the gate: the
 signature, not a tenant key, authenticates them."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The tenant's wallet and its ledger (contracts/tenant-api.md)."""
+"""The tenant's wallet and its ledger (docs/tenant-api.md)."""
 from __future__ import annotations
 
 from typing import Annotated

@@ -1,5 +1,5 @@
-"""What the live operations dashboard shows (issue 16 part 6, contracts/admin-api.md "Pages and
-metrics"), assembled from PostgreSQL in one read-only snapshot: lanes, tenants' delivered shares
+"""What the live operations dashboard shows (issue 16 part 6, docs/admin-api.md "The
+dashboard"), assembled from PostgreSQL in one read-only snapshot: lanes, tenants' delivered shares
 against their weights, providers' health and breakers, SUBMIT_UNKNOWN and manual reviews,
 reconciliation health and the recent audit trail. No HTTP here: the admin API's
 routes/dashboard.py serves it as JSON, and the page polls that every couple of seconds.

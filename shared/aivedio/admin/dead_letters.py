@@ -1,7 +1,8 @@
-"""Dead letters, for an operator (contracts/operations.md): outbox events that failed every delivery,
-and the SQS dead-letter queues in AWS. Each operation checks its permission and, when it changes
-something, appends its audit rows in the caller's transaction (aivedio.policy.roles); redrive_queue,
-whose change is in AWS, in transactions of its own around it.
+"""Dead letters, for an operator (docs/operations.md): outbox events that failed every delivery,
+and the SQS dead-letter queues in AWS. Each operation that changes something appends its audit rows
+in the caller's transaction; redrive_queue, whose change is in AWS, in transactions of its own around
+it. Who may call them is the edge's business: an admin API route checks the permission named
+below (aivedio.policy.roles; queue.redrive has no route, it is the CLI's), and the CLI is trusted.
 
 - list_outbox (outbox.read): the events of one status, FAILED by default, oldest first;
 - redrive_outbox (outbox.redrive): FAILED events back to PENDING with their attempts reset, due now
@@ -104,8 +105,7 @@ def move_request(sqs, queue: str, *, max_per_second: int | None = None) -> tuple
 
 def redrive_queue(platform, sqs, *, operator: str, queue: str, reason: str | None = None,
                   max_per_second: int | None = None) -> dict[str, Any]:
-    """Start moving a DLQ's messages back to their queue. The permission is checked before anything
-    is asked of AWS, and the move is audited BEFORE it starts: the audit row (the DLQ's and the
+    """Start moving a DLQ's messages back to their queue. The move is audited BEFORE it starts: the audit row (the DLQ's and the
     source's ARNs, the reason) commits in its own transaction, then StartMessageMoveTask is called,
     and a second row records its outcome (the task handle SQS returns, or the error). A move is
     never made unaudited; if SQS refuses, the refusal is audited too and reported as

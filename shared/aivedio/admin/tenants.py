@@ -1,4 +1,4 @@
-"""Creating tenants (contracts/operations.md): the tenant with its scheduling policy, its first
+"""Creating tenants (docs/operations.md): the tenant with its scheduling policy, its first
 user, a wallet whose credits arrive as a paid credit lot through a GRANT, and an API key shown once."""
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def create_tenant(platform, *, name: str, service_class: str, weight: int, credi
                   account_type: str = "PREPAID", operator: str = "cli", policy_overrides: dict | None = None,
                   trusted: bool = False) -> CreatedTenant:
     """Create a tenant with the class's default policy and `policy_overrides` over it. The policy is
-    held to the rules of a policy change (admin.policy: each column's type and bounds, the caps'
+    held to the rules of a policy change (policy.tenant_policy: each column's type and bounds, the caps'
     order, reserved_units within the lane's capacity in force), so a created policy can be changed
     later; a bad one raises InvalidRequest naming each field (policy.<column>), having written
     nothing. `trusted`: no policy validation, for the platform's own fixtures only (the simulator
@@ -151,7 +151,7 @@ def create_tenant(platform, *, name: str, service_class: str, weight: int, credi
     return platform.db.transaction(tx)
 
 
-# --- the admin API's tenant list (contracts/admin-api.md) -------------------------------------------------
+# --- the admin API's tenant list (docs/admin-api.md) -------------------------------------------------
 
 # The policy in force names the tenant's class and weight (a policy change moves them, not tenant's row).
 LIST_TENANTS = """

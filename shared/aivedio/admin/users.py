@@ -1,4 +1,4 @@
-"""Another user of a tenant (contracts/operations.md `aivedio admin user create`): a user row and its
+"""Another user of a tenant (docs/cli.md `aivedio admin user create`): a user row and its
 own API key, shown once. A user's limits are the tenant policy's per-user columns
 (max_user_running_tasks, max_user_queued_tasks, user_submit_rate_per_minute, ...), applied to that
 user alone: its own running counters (the claim's `user:` keys), its own queued counts at admission

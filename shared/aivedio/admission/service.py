@@ -13,7 +13,7 @@ expected wait, credit) and every write: one PostgreSQL round trip. A key's recor
 came before the call: a replay gives back the rate tokens it took, and a request refused before the
 call asks the record (a round trip on that path only) before it answers with its refusal.
 
-Idempotency (contracts/tenant-api.md) covers the whole request: before any slow work (the input
+Idempotency (docs/tenant-api.md) covers the whole request: before any slow work (the input
 probe) a request with inputs claims its key with an IN_PROGRESS idempotency_record, committed on
 its own, so a second request with the key answers 409 IDEMPOTENCY_IN_PROGRESS while the first is
 still probing. The admission call turns the record COMPLETED with the response; a rejection (or any

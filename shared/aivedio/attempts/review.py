@@ -8,8 +8,7 @@ reservations (capacity, credit, budget) kept, since the job may be live at the p
 - PROVIDER_LOST_JOB: the provider accepted the job and then answered 404 for it, poll after poll;
 - RECOVERY_EXHAUSTED: the workflow was restarted max_attempt_recoveries times without finishing.
 
-Three resolutions, each through the lifecycle functions the workflow itself uses, each under RBAC
-(review.resolve) and audited (old state, new state, reason) in the transaction that makes it:
+Three resolutions, each through the lifecycle functions the workflow itself uses, each audited (old state, new state, reason) in the transaction that makes it:
 - adopt J: the job is fetched from the provider first (it must exist, and when the provider still
   lists the attempt's key it must be among what it lists), then mapped to the attempt under the
   job's lock (apply_job, source "review"), and the workflow goes on as if its own lookup had found
@@ -330,7 +329,7 @@ def fail_task(conn: psycopg.Connection, platform, ref: AttemptRef, *, actor: str
 
 def resolve(platform, *, operator: str, task_id: UUID, action: str, reason: str, provider_job_id: str | None = None,
             confirm_absent: bool = False, tenant_id: UUID | None = None) -> dict:
-    """`aivedio admin review resolve`: check the permission, ask the provider (outside any
+    """`aivedio admin review resolve` (and the admin API's route): check the input, ask the provider (outside any
     transaction), then make the resolution in one transaction with its audit row."""
     if action not in ACTIONS:
         raise InvalidRequest("unknown action", {"action": f"one of {', '.join(ACTIONS)}"})

@@ -438,7 +438,7 @@ RETRYABLE_PARKED = ("UNKNOWN_TASK", "MISSING_CHARGE")
 # What settlement parks a terminal event for (the _park calls above): while one of these is OPEN for
 # a task, with a terminal event type, the task's settlement waits for it (retry_parked, or a person),
 # and the repairs (unsettled-terminals, expired-reservations) leave the task alone. The provider
-# cost's reasons (billing.costs: COST_UNKNOWN, COST_WITHOUT_CHARGE_ID, COST_MISMATCH, UNMAPPED_ATTEMPT)
+# cost's reasons (spend.costs: COST_UNKNOWN, COST_WITHOUT_CHARGE_ID, COST_MISMATCH, UNMAPPED_ATTEMPT)
 # never stop a settlement. CURRENCY_MISMATCH is parked by both; the event type tells a terminal
 # event's from a cost orphan-jobs recorded, which carries none.
 SETTLEMENT_INPUT_PARKED = ("MALFORMED_EVENT", "UNKNOWN_TASK", "TENANT_MISMATCH", "MISSING_CHARGE", "CURRENCY_MISMATCH",

@@ -1,5 +1,5 @@
 """Provider adapters: the platform's one interface to AI video providers, and the HTTP adapter for
-contracts/provider-protocol.md.
+docs/provider-protocol.md.
 
 Every submit ends in exactly one of four outcomes, never an exception for anything the network or
 the provider did:
@@ -408,7 +408,7 @@ class _Exchange:
 
 
 class HttpProviderAdapter:
-    """The adapter for contracts/provider-protocol.md. One per provider config entry: a second
+    """The adapter for docs/provider-protocol.md. One per provider config entry: a second
     provider that speaks the protocol is another entry, not more code.
 
     `base_url` overrides the config's (a built-in simulator's address is only known once it runs).

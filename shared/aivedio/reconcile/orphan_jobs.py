@@ -9,7 +9,7 @@ provider for the job (adapter.get):
 - still queued or running, and attributed to an attempt: cancelled (Limits.orphan_cancel), unless
   its attempt is the task's current, live one again (then it is in use: resolved IN_USE);
 - finished: its cost (the job's usage) is recorded as a provider_cost_event of its attempt
-  (billing.costs.record_provider_cost, source API) so invoice reconciliation sees it, and the orphan
+  (spend.costs.record_provider_cost, source API) so invoice reconciliation sees it, and the orphan
   is resolved (COST_RECORDED; COST_PARKED when the provider billed it without saying how much;
   NO_COST). A second job for a key waits for its attempt to end, so that the attempt's own cost is
   recorded first;
@@ -79,7 +79,7 @@ RESOLVE = """update orphan_provider_job set resolved_at = %(now)s, resolution = 
                                            payload = payload || %(payload)s
               where provider = %(provider)s and provider_job_id = %(job)s and resolved_at is null"""
 
-# The provider's terminal status -> the (state, stage) whose cost type it is (billing.costs).
+# The provider's terminal status -> the (state, stage) whose cost type it is (spend.costs).
 _OUTCOME = {"succeeded": ("SUCCEEDED", "PROVIDER_SUCCEEDED"), "failed": ("FAILED", "PROVIDER_FAILED"),
             "cancelled": ("CANCELLED", "PROVIDER_RUNNING")}
 

@@ -706,7 +706,7 @@ class Scheduler:
 
     def _max_weight(self) -> int:
         """The heaviest tenant weight, read at most once a minute (weights change by operator action),
-        and again once this process changed a policy (admin.policy.invalidate_caches)."""
+        and again once this process changed a policy (policy.tenant_policy.invalidate_caches)."""
         now = time.monotonic()
         epoch = self.platform.extras.get(POLICY_EPOCH, 0)
         if self._weight_read_at is None or now - self._weight_read_at > 60 or epoch != self._weight_epoch:

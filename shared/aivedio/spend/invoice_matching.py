@@ -22,7 +22,7 @@ Decide (pure functions, `decide_*`). Per attempt, from all its lines and cost ev
   once). Another charge id for the same job is a second charge: DUPLICATE_EXTERNAL, for review;
 - no cost recorded by the platform for a job that maps uniquely: MISSING_INTERNAL, fixed by an
   appended cost event (source INVOICE) and the parked COST_UNKNOWN it settles. Its event type is the
-  one the platform's own record has or will have (billing.costs.cost_event_type of the task's state
+  one the platform's own record has or will have (spend.costs.cost_event_type of the task's state
   and the attempt's stage), so a settlement after the fix meets it on the charge key; while the task
   has not finished that type is unknown, and the item waits for review;
 - a charge of the platform's own beside one an earlier run booked from the line (a late settlement
@@ -162,7 +162,7 @@ class Attempt:
     provider_request_key: str | None = None
     model_code: str | None = None
     task_state: str | None = None  # the task's state, and the stage the attempt ended in (task_attempt.final_reason):
-    final_reason: str | None = None  # what billing.costs derives a cost's event type from
+    final_reason: str | None = None  # what spend.costs derives a cost's event type from
 
     def evidence(self) -> dict[str, Any]:
         return {"attempt_id": str(self.attempt_id), "task_id": str(self.task_id), "state": self.state,
@@ -179,7 +179,7 @@ class Attempt:
 
 def fix_event_type(attempt: Attempt) -> str | None:
     """The event type of a cost booked from an invoice line: the one the platform's own record of the cost
-    has or will have (billing.costs.cost_event_type, from the task's state and the attempt's stage), so a
+    has or will have (spend.costs.cost_event_type, from the task's state and the attempt's stage), so a
     settlement that comes after the fix meets it on the charge key instead of adding a second cost. None
     while the task has not finished: the type is not known yet."""
     try:

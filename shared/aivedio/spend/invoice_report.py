@@ -1,4 +1,4 @@
-"""The invoice reconciliation's reports: the day's JSON document of contracts/operations.md
+"""The invoice reconciliation's reports: the day's JSON document of docs/operations.md
 (`aivedio reconcile invoices --json`), the same as a self-contained HTML page, and the month close's
 summary as JSON and HTML. Amounts are decimal strings. Pure functions: nothing here reads or writes
 anything."""

@@ -1,6 +1,6 @@
 """Room service `invoice-reconcile` (ch. 20.10): each provider's invoice, every day, against the platform's
 own cost records; and the month close. `aivedio reconcile invoices --provider P --date D` runs one day on
-demand (contracts/operations.md).
+demand (docs/operations.md).
 
 One day of one provider (`reconcile_day`):
 1. Fetch `GET /v1/invoices?date=` for each of the provider's accounts, for the day and an overlapping

@@ -10,6 +10,7 @@ import sys
 
 from aivedio.config import ConfigError
 from aivedio_tools.cli import admin, bench, chaos, db, demo, provider_sim, rebuild, reconcile, serve, simulate
+from aivedio_tools.cli.common import describe_flags
 
 # In the order `aivedio --help` lists them.
 GROUPS = (serve, demo, db, admin, reconcile, rebuild, simulate, bench, chaos, provider_sim)
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for group in GROUPS:
         group.register(sub)
+    describe_flags(p)
     return p
 
 

@@ -40,6 +40,39 @@ def add_common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+# What a flag means wherever a command takes it without saying more: build_parser fills these in, so
+# `--help` and docs/cli.md explain each common flag once and alike.
+FLAG_MEANINGS = {
+    "tenant_id": "the tenant's id",
+    "task_id": "the task's id",
+    "wallet_id": "the wallet's id",
+    "refund_id": "the refund's id",
+    "operator_id": "the operator's id",
+    "txn_id": "the ledger transaction's id",
+    "case_id": "the support case it belongs to, for the audit log",
+    "reason": "why, for the audit log",
+    "limit": "at most this many rows",
+    "provider": "the provider's name, as in the config file",
+    "lane": "the lane's name (ENTERPRISE_RESERVED, PAID_SHARED, STANDARD, BEST_EFFORT)",
+    "product_code": "the product's code in the price book",
+    "period_start": "when the period starts (ISO 8601, with its timezone)",
+    "json": "one JSON document on stdout",
+    "host": "the address to listen on",
+    "port": "the port to listen on",
+    "seed": "the seed every random draw derives from",
+}
+
+
+def describe_flags(parser: argparse.ArgumentParser) -> None:
+    """Give every flag of FLAG_MEANINGS that has no help its meaning, in this parser and all below it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                describe_flags(child)
+        elif action.help is None and action.dest in FLAG_MEANINGS:
+            action.help = FLAG_MEANINGS[action.dest]
+
+
 def operator(args: argparse.Namespace) -> str:
     return getattr(args, "operator", None) or f"cli:{getpass.getuser()}"
 

@@ -44,7 +44,7 @@ def _provider_sim(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("provider-sim", help="run a provider simulator (contracts/provider-protocol.md)")
+    p = sub.add_parser("provider-sim", help="run a provider simulator (docs/provider-protocol.md)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--config", default=None)

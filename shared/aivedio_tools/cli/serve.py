@@ -12,9 +12,10 @@ from aivedio_tools.local.runtime import serve
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.api_workers < 1:
-        raise ConfigError(f"--api-workers: {args.api_workers} (at least 1)")
-    return serve(settings(args), port=args.port, host=args.host, api_workers=args.api_workers)
+    workers = args.api_workers if args.api_workers is not None else os.cpu_count() or 1
+    if workers < 1:
+        raise ConfigError(f"--api-workers: {workers} (at least 1)")
+    return serve(settings(args), port=args.port, host=args.host, api_workers=workers)
 
 
 def register(sub) -> None:
@@ -22,6 +23,6 @@ def register(sub) -> None:
     s.add_argument("--config", default=None, help="the platform's config file (default: AIVEDIO_CONFIG)")
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--api-workers", type=int, default=os.cpu_count() or 1,
+    s.add_argument("--api-workers", type=int, default=None,
                    help="processes serving the API on one port, as Lambda runs several instances (default: the core count)")
     s.set_defaults(fn=_serve)
