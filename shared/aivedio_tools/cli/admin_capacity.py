@@ -135,8 +135,11 @@ def register(admin) -> None:
     s = write(lane.add_parser("set", help="override a lane's capacity figures (the pool is resized at once; "
                                           "lowering never cuts running work)"))
     s.add_argument("--lane", required=True)
-    for flag in ("--capacity-units", "--borrowable-units", "--min-headroom-units", "--max-queue-units"):
-        s.add_argument(flag, type=number, default=None, metavar="N")
+    for flag, meaning in (("--capacity-units", "fairness units of the lane's tasks that may run at once"),
+                          ("--borrowable-units", "units other lanes may borrow while this one has nothing queued"),
+                          ("--min-headroom-units", "free units kept back from lending"),
+                          ("--max-queue-units", "queued units above which admission answers REJECT_LANE_QUEUE_FULL")):
+        s.add_argument(flag, type=number, default=None, metavar="N", help=f"{meaning} (unset: unchanged)")
     s.set_defaults(fn=_lane_set)
 
     pool = admin.add_parser("pool", help="resource pools: worker:cpu, worker:gpu, cost:platform, model:<model>"
@@ -144,7 +147,7 @@ def register(admin) -> None:
     add_common(pool.add_parser("list", help="each pool's configured and effective capacity and use")).set_defaults(fn=_pool_list)
     s = write(pool.add_parser("set", help="override a pool's capacity"))
     s.add_argument("--key", required=True, help="the pool's resource key, e.g. worker:gpu")
-    s.add_argument("--capacity-units", type=number, required=True, metavar="N")
+    s.add_argument("--capacity-units", type=number, required=True, metavar="N", help="the pool's units, in force at once")
     s.set_defaults(fn=_pool_set)
 
     acct = admin.add_parser("provider-account", help="provider accounts' concurrency").add_subparsers(
@@ -154,8 +157,9 @@ def register(admin) -> None:
     s = write(acct.add_parser("set", help="override an account's max_concurrency (running jobs finish; new claims "
                                           "wait until fewer than the new limit run)"))
     s.add_argument("--provider", required=True)
-    s.add_argument("--account-id", required=True)
-    s.add_argument("--max-concurrency", type=number, required=True, metavar="N")
+    s.add_argument("--account-id", required=True, help="the account's id, as in the provider's config entry")
+    s.add_argument("--max-concurrency", type=number, required=True, metavar="N",
+                   help="jobs the account may have at the provider at once")
     s.set_defaults(fn=_account_set)
 
     switch = admin.add_parser("switch", help="admission switches of lanes and resource classes").add_subparsers(
@@ -163,11 +167,11 @@ def register(admin) -> None:
     add_common(switch.add_parser("list", help="every switch, open or closed")).set_defaults(fn=_switch_list)
     s = write(switch.add_parser("set", help="open or close admission; closed answers REJECT_RESOURCE_CLASS_DISABLED"))
     which = s.add_mutually_exclusive_group(required=True)
-    which.add_argument("--lane")
-    which.add_argument("--resource-class")
+    which.add_argument("--lane", help="the lane whose admission to switch")
+    which.add_argument("--resource-class", help="the resource class to switch (video-standard, video-4k, video-v2v)")
     state = s.add_mutually_exclusive_group(required=True)
-    state.add_argument("--open", dest="open", action="store_true", default=None)
-    state.add_argument("--closed", dest="open", action="store_false")
+    state.add_argument("--open", dest="open", action="store_true", default=None, help="admit again")
+    state.add_argument("--closed", dest="open", action="store_false", help="refuse new tasks (running work goes on)")
     s.set_defaults(fn=_switch_set)
 
     price = admin.add_parser("price", help="price book versions (immutable, never overlapping)").add_subparsers(
@@ -175,15 +179,15 @@ def register(admin) -> None:
     ls = add_common(price.add_parser("list", help="price versions, newest first"))
     ls.add_argument("--product-code", default=None)
     ls.add_argument("--limit", type=int, default=50)
-    ls.add_argument("--cursor", default=None)
+    ls.add_argument("--cursor", default=None, help="the next_cursor of the page before")
     ls.set_defaults(fn=_price_list)
     c = write(price.add_parser("create", help="a new version from --effective-from (default now); the open version "
                                               "in force then is closed there, any other overlap is refused"))
     c.add_argument("--product-code", default=None)
-    c.add_argument("--effective-from", type=when, default=None, metavar="ISO-TIME")
-    c.add_argument("--effective-to", type=when, default=None, metavar="ISO-TIME")
+    c.add_argument("--effective-from", type=when, default=None, metavar="ISO-TIME", help="when it takes effect (default now)")
+    c.add_argument("--effective-to", type=when, default=None, metavar="ISO-TIME", help="when it ends (default: open-ended)")
     rules = c.add_mutually_exclusive_group(required=True)
     rules.add_argument("--rules", help='JSON: {"models": {MODEL: {FIELD: VALUE}}}; fields left out keep the '
                                        "version it follows")
-    rules.add_argument("--rules-file")
+    rules.add_argument("--rules-file", help="a file holding the --rules JSON")
     c.set_defaults(fn=_price_create)

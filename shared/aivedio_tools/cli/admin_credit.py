@@ -138,7 +138,7 @@ def register(admin) -> None:
                                                     "it waits for `approve` by another operator)"))
     c.add_argument("--tenant-id", required=True, type=UUID)
     c.add_argument("--task-id", required=True, type=UUID)
-    c.add_argument("--amount", required=True, type=int)
+    c.add_argument("--amount", required=True, type=int, help="credits to refund, at most what the task settled")
     c.add_argument("--reason", required=True)
     c.add_argument("--request-key", required=True, help="idempotency key: the same key never refunds twice")
     c.set_defaults(fn=_refund_create)
@@ -159,10 +159,11 @@ def register(admin) -> None:
     r = add_common(comp.add_parser("request", help="open a compensation case (applied at once at or below the threshold)"))
     r.add_argument("--tenant-id", required=True, type=UUID)
     r.add_argument("--case-id", default=None)
-    r.add_argument("--amount", required=True, type=int)
-    r.add_argument("--reason-code", required=True)
+    r.add_argument("--amount", required=True, type=int, help="credits to grant")
+    r.add_argument("--reason-code", required=True,
+                   help="SERVICE_OUTAGE, QUALITY_ISSUE, DELAYED_DELIVERY, BILLING_ERROR, GOODWILL or PROMOTION_MAKEGOOD")
     r.add_argument("--evidence", default=None, help="a JSON object")
-    r.add_argument("--expires-at", type=when, default=None)
+    r.add_argument("--expires-at", type=when, default=None, help="when the granted credit expires (default: never)")
     r.add_argument("--task-id", type=UUID, default=None)
     r.set_defaults(fn=_compensation_request)
     for name, fn, extra in (("approve", _compensation_approve, False), ("reject", _compensation_reject, True)):
@@ -176,7 +177,7 @@ def register(admin) -> None:
     wallet = admin.add_parser("wallet", help="wallet checks and repair").add_subparsers(dest="wallet_command", required=True)
     wc = add_common(wallet.add_parser("check", help="snapshot vs ledger vs reservations vs lots; freezes on mismatch"))
     wc.add_argument("--wallet-id", required=True, type=UUID)
-    wc.add_argument("--no-freeze", action="store_true")
+    wc.add_argument("--no-freeze", action="store_true", help="report a mismatch without freezing the wallet")
     wc.set_defaults(fn=_wallet_check)
     wr = add_common(wallet.add_parser("rebuild", help="append adjustments, recompute the snapshot, unfreeze if clean"))
     wr.add_argument("--wallet-id", required=True, type=UUID)
@@ -222,9 +223,9 @@ def register(admin) -> None:
                                                                                       required=True)
     ss = add_common(sub.add_parser("set", help="grant AMOUNT credits every PERIOD seconds (expiring at the period's end)"))
     ss.add_argument("--tenant-id", required=True, type=UUID)
-    ss.add_argument("--amount", required=True, type=int)
-    ss.add_argument("--period-seconds", required=True, type=int)
-    ss.add_argument("--first-grant-at", type=when, default=None)
+    ss.add_argument("--amount", required=True, type=int, help="credits granted each period")
+    ss.add_argument("--period-seconds", required=True, type=int, help="the period's length, in platform seconds")
+    ss.add_argument("--first-grant-at", type=when, default=None, help="the first grant's time (default now)")
     ss.set_defaults(fn=_subscription_set)
 
     credits = admin.add_parser("credits", help="credit lots").add_subparsers(dest="credits_command", required=True)
@@ -235,5 +236,5 @@ def register(admin) -> None:
 def register_reconcile(reconcile) -> None:
     """`aivedio reconcile wallets`: every wallet checked (ch. 20.8.5); a mismatched one is frozen."""
     w = add_common(reconcile.add_parser("wallets", help="check every wallet (ch. 20.8.5); freezes mismatched ones"))
-    w.add_argument("--no-freeze", action="store_true")
+    w.add_argument("--no-freeze", action="store_true", help="report mismatches without freezing the wallets")
     w.set_defaults(fn=_reconcile_wallets)

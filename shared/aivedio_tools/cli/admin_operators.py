@@ -50,8 +50,8 @@ def register(admin) -> None:
     op = admin.add_parser("operator", help="operators of the admin API and their tokens").add_subparsers(
         dest="operator_command", required=True)
     c = add_common(op.add_parser("create", help="an operator of the admin API and its token (shown once, stored hashed)"))
-    c.add_argument("--name", required=True)
-    c.add_argument("--role", required=True, choices=list(ROLES))
+    c.add_argument("--name", required=True, help="the operator's name, unique")
+    c.add_argument("--role", required=True, choices=list(ROLES), help="what the operator may do on the admin API")
     c.set_defaults(fn=_create)
     r = add_common(op.add_parser("rotate", help="a new token for an operator (shown once); the old one stops working"))
     r.add_argument("--operator-id", required=True, type=UUID)

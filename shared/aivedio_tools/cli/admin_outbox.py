@@ -64,8 +64,9 @@ def register(admin) -> None:
     ob = admin.add_parser("outbox", help="outbox dead letters (events that failed every delivery)").add_subparsers(
         dest="outbox_command", required=True)
     ls = add_common(ob.add_parser("list", help="events of one status, oldest first"))
-    ls.add_argument("--status", default=outbox.FAILED, choices=[outbox.FAILED, outbox.PENDING, outbox.PUBLISHED])
-    ls.add_argument("--event-type", default=None)
+    ls.add_argument("--status", default=outbox.FAILED, choices=[outbox.FAILED, outbox.PENDING, outbox.PUBLISHED],
+                    help="which events")
+    ls.add_argument("--event-type", default=None, help="only events of this type (e.g. TaskQueued)")
     ls.add_argument("--tenant-id", type=UUID, default=None)
     ls.add_argument("--limit", type=int, default=100)
     ls.set_defaults(fn=_outbox_list)

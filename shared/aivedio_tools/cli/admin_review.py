@@ -79,7 +79,8 @@ def register(admin) -> None:
                                                      "task (audited)"))
     rs.add_argument("--task-id", required=True, type=UUID)
     rs.add_argument("--tenant-id", type=UUID, default=None)
-    rs.add_argument("--action", required=True, choices=review.ACTIONS)
+    rs.add_argument("--action", required=True, choices=review.ACTIONS,
+                    help="adopt the provider's job, requeue (absence proven), or fail the task")
     rs.add_argument("--provider-job-id", default=None, help="adopt: the provider's job id")
     rs.add_argument("--reason", required=True, help="why, for the audit log")
     rs.add_argument("--confirm-absent", action="store_true",

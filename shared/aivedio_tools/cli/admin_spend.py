@@ -48,12 +48,12 @@ def _parked_list(args) -> int:
 def register(admin) -> None:
     budget = admin.add_parser("budget", help="provider spend budgets").add_subparsers(dest="budget_command", required=True)
     bs = add_common(budget.add_parser("set", help="create or change a budget"))
-    bs.add_argument("--scope-type", required=True, choices=list(SCOPES))
+    bs.add_argument("--scope-type", required=True, choices=list(SCOPES), help="what the budget covers")
     bs.add_argument("--scope-id", required=True, help="GLOBAL: '*'; PROJECT: TENANT_ID:PROJECT (see `admin api-key create`)")
     bs.add_argument("--limit", required=True, type=Decimal)
-    bs.add_argument("--currency", default="USD")
+    bs.add_argument("--currency", default="USD", help="the limit's currency, the provider costs' own")
     bs.add_argument("--period-start", required=True, type=when)
-    bs.add_argument("--period-end", required=True, type=when)
+    bs.add_argument("--period-end", required=True, type=when, help="when the period ends (ISO 8601, with its timezone)")
     bs.add_argument("--tenant-id", type=UUID, default=None)
     bs.set_defaults(fn=_budget_set)
     add_common(budget.add_parser("status", help="budgets in force, their usage and threshold level")
@@ -70,7 +70,7 @@ def register(admin) -> None:
         dest="media_costs_command", required=True)
     mi = add_common(media.add_parser("import", help="import an AWS Cost and Usage Report export (.csv or .csv.gz), "
                                                     "once per line"))
-    mi.add_argument("--file", required=True)
+    mi.add_argument("--file", required=True, help="the cost-and-usage report: CSV, or gzip of it")
     mi.set_defaults(fn=_media_costs_import)
 
     pk = admin.add_parser("parked", help="billing input parked for reconciliation").add_subparsers(

@@ -67,11 +67,11 @@ def register(admin) -> None:
     tenant = admin.add_parser("tenant", help="tenants and their scheduling policies").add_subparsers(
         dest="tenant_command", required=True)
     c = add_common(tenant.add_parser("create", help="create a tenant, its first user, wallet and API key (shown once)"))
-    c.add_argument("--name", required=True)
-    c.add_argument("--service-class", required=True, choices=SERVICE_CLASSES)
-    c.add_argument("--weight", required=True, type=int)
-    c.add_argument("--credits", type=int, default=0)
-    c.add_argument("--account-type", default="PREPAID", choices=ACCOUNT_TYPES)
+    c.add_argument("--name", required=True, help="the tenant's name")
+    c.add_argument("--service-class", required=True, choices=SERVICE_CLASSES, help="the lane its tasks go to")
+    c.add_argument("--weight", required=True, type=int, help="its DRR weight: its share against other tenants'")
+    c.add_argument("--credits", type=int, default=0, help="credits granted at once, as a paid lot")
+    c.add_argument("--account-type", default="PREPAID", choices=ACCOUNT_TYPES, help="how the wallet is paid for")
     c.set_defaults(fn=_tenant_create)
 
     policy = tenant.add_parser("policy", help="a tenant's scheduling policy").add_subparsers(
@@ -91,8 +91,8 @@ def register(admin) -> None:
     u = add_common(user.add_parser("create", help="another user of a tenant, with its own API key (shown once) and its "
                                                   "own per-user limits"))
     u.add_argument("--tenant-id", required=True, type=UUID)
-    u.add_argument("--role", default="MEMBER", choices=["MEMBER", "OWNER"])
-    u.add_argument("--name", default=None)
+    u.add_argument("--role", default="MEMBER", choices=["MEMBER", "OWNER"], help="the user's role in the tenant")
+    u.add_argument("--name", default=None, help="the user's display name")
     u.set_defaults(fn=_user_create)
 
     key = admin.add_parser("api-key", help="API keys").add_subparsers(dest="api_key_command", required=True)

@@ -50,7 +50,7 @@ def _bench(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks, each against a baseline measured in the same run")
     b.add_argument("--json", action="store_true")
-    b.add_argument("--seconds", type=float, default=10.0)
+    b.add_argument("--seconds", type=float, default=10.0, help="how long each timed benchmark runs")
     b.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
                    help="alternating rounds of each benchmark and its baseline; each ratio is their median")
     b.add_argument("--workers", type=int, default=None, help="API processes (Lambda instances), and in-process admitters")
@@ -58,5 +58,6 @@ def register(sub) -> None:
     b.add_argument("--schedulers", type=int, default=None, help="scheduler processes (tick replicas), and their pgbench clients")
     b.add_argument("--settlers", type=int, default=None, help="settlement processes (Lambda instances), and their pgbench clients")
     b.add_argument("--media-workers", type=int, default=None, help="concurrent media jobs (one CPU unit each)")
-    b.add_argument("--only", choices=["admission", "scheduler", "settlement", "media"], default=None)
+    b.add_argument("--only", choices=["admission", "scheduler", "settlement", "media"], default=None,
+                   help="one benchmark (default: all)")
     b.set_defaults(fn=_bench)

@@ -47,7 +47,7 @@ def register(sub) -> None:
     p = sub.add_parser("provider-sim", help="run a provider simulator (docs/provider-protocol.md)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--config", default=None)
+    p.add_argument("--config", default=None, help="the platform config whose provider entry to simulate (default: AIVEDIO_CONFIG)")
     p.add_argument("--provider", default=None, help="the provider entry to simulate (default: the first)")
     p.add_argument("--time-scale", type=float, default=None, help="overrides the config's time_scale")
     p.set_defaults(fn=_provider_sim)

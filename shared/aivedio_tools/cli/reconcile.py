@@ -103,7 +103,7 @@ def register(sub) -> None:
     ls.add_argument("--json", action="store_true", help="one JSON document on stdout")
     ls.set_defaults(fn=_list)
     r = add_common(reconcile.add_parser("run", help="run one maintenance service now"))
-    r.add_argument("service", choices=[s.name for s in room.SERVICES])
+    r.add_argument("service", choices=[s.name for s in room.SERVICES], help="the maintenance service to run")
     r.set_defaults(fn=_run_service)
 
     i = add_common(reconcile.add_parser("invoices", help="reconcile one provider's invoice for one UTC day"))

@@ -103,7 +103,7 @@ def _tenant_lines(w, doc: dict, indent: str) -> None:
 def register(sub) -> None:
     s = sub.add_parser("simulate", help="measure fairness (DRR against FIFO) or capacity (peak-backlog): "
                                         "a scenario through the real scheduler")
-    s.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
+    s.add_argument("--scenario", required=True, choices=sorted(SCENARIOS), help="the workload to run (docs/testing.md describes each)")
     s.add_argument("--policy", choices=["drr", "fifo", "both"], default=None,
                    help="default: the scenario's (both, except peak-backlog: drr)")
     s.add_argument("--json", action="store_true")
