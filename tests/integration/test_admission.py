@@ -25,6 +25,8 @@ from tests.admission_support import (BODY, CONTRACT_STATUS, COST_UNITS, PRICE, a
                                      serve, wallet_row)
 from tests.conftest import create_test_database, drop_test_database
 
+pytestmark = pytest.mark.redis_cluster  # each test also runs on a 3-node Redis cluster
+
 _ = serve  # a fixture, imported for the tests that request it
 
 

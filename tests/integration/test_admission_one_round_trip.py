@@ -32,6 +32,8 @@ from aivedio.admission.service import IdempotencyKeyReused, admit
 from aivedio_tools.bench.profile import count_trace
 from tests.admission_support import BODY, new_tenant
 
+pytestmark = pytest.mark.redis_cluster  # each test also runs on a 3-node Redis cluster
+
 
 def traced(platform, fn):
     """Run fn() with the platform's only connection traced; (its result, the trace's counts)."""
@@ -64,7 +66,7 @@ def redis_counted(platform):
 
 
 def user_tokens(platform, t) -> float:
-    return float(platform.cache.r.hget(platform.cache.key("rate", f"user:{t.caller.user_id}:submit"), "tokens"))
+    return float(platform.cache.r.hget(platform.cache.key_in_slot("rate", t.caller.tenant_id, f"user:{t.caller.user_id}:submit"), "tokens"))
 
 
 @pytest.fixture
@@ -189,15 +191,15 @@ def test_the_functions_expected_wait_is_the_python_one(conn, seed):
 
 
 def test_the_buckets_in_one_call_refuse_like_separate_calls(platform):
-    first = rate_limits.take_all(platform, [("u:a", 1), ("t:a", 5)])
+    first = rate_limits.take_all(platform, [("u:a", 1), ("t:a", 5)], slot="a")
     assert first is None
-    refused = rate_limits.take_all(platform, [("u:a", 1), ("t:a", 5)])
+    refused = rate_limits.take_all(platform, [("u:a", 1), ("t:a", 5)], slot="a")
     assert refused is not None and refused[0] == 0 and refused[1].retry_after_seconds >= 1
     # The user bucket refused, so the tenant bucket was left alone: it still has 4 of its 5.
-    assert [rate_limits.take(platform, "t:a", 5).allowed for _ in range(5)] == [True] * 4 + [False]
+    assert [rate_limits.take(platform, "t:a", 5, slot="a").allowed for _ in range(5)] == [True] * 4 + [False]
     # A bucket with no rate refuses without a call, after the ones before it gave.
-    assert rate_limits.take_all(platform, [("u:b", 3), ("t:b", 0)])[0] == 1
-    assert [rate_limits.take(platform, "u:b", 3).allowed for _ in range(3)] == [True, True, False]
+    assert rate_limits.take_all(platform, [("u:b", 3), ("t:b", 0)], slot="a")[0] == 1
+    assert [rate_limits.take(platform, "u:b", 3, slot="a").allowed for _ in range(3)] == [True, True, False]
 
 
 USAGE_VS_TASKS = """

@@ -23,7 +23,7 @@ from aivedio.spend.budgets import BudgetExceeded, CurrencyMismatch
 from aivedio.config import BillingConfig
 from tests.billing_support import ADMIN, T0, make_attempt, make_task, new_wallet
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_cluster]
 CFG = BillingConfig(budget_slope_max_fraction=1.0)  # the breaker off unless a test turns it on
 
 

@@ -19,6 +19,8 @@ from aivedio.events_routing import RELAY, TICK
 from aivedio_tools.local.lambda_context import FakeLambdaContext
 from aivedio.scheduling.scheduler import TickReport
 
+pytestmark = pytest.mark.redis_cluster  # each test also runs on a 3-node Redis cluster
+
 IDLE = 5.0  # idle poll interval of these tests' loops: far longer than any wait a wake-up ends
 
 

@@ -33,7 +33,7 @@ from aivedio.reconcile import allowance_return
 from tests.admission_support import BODY, PRICE, new_tenant, second_user, wallet_row
 from tests.conftest import TEST_HOME
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_cluster]
 OPERATOR = "test-finance"
 
 

@@ -17,7 +17,7 @@ from tests.conftest import create_test_database, drop_test_database
 from tests.redis_server import free_port
 from tests.scheduler_support import OPEN, UNCAPPED, submit
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_cluster]
 NAME = redis_index.NAME
 PAID, STD = "PAID_SHARED", "STANDARD"
 

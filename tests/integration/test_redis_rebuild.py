@@ -16,7 +16,7 @@ from aivedio.scheduling.ring import Ring, active_tenants_pg, built_key
 from tests.admission_support import new_tenant
 from tests.scheduler_support import BODY_1U, OPEN, UNCAPPED, submit
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.redis_cluster]
 PAID, STD = "PAID_SHARED", "STANDARD"
 
 

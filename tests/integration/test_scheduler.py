@@ -37,7 +37,7 @@ from tests.conftest import create_test_database, drop_test_database
 from tests.scheduler_support import (BODY_1U, BODY_EXPENSIVE, OPEN, UNCAPPED, complete, counters, finish_all, pick_attempts,
                                      submit, used)
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.redis_cluster]
 ENT, PAID, STD, BE = "ENTERPRISE_RESERVED", "PAID_SHARED", "STANDARD", "BEST_EFFORT"
 
 

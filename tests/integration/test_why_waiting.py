@@ -39,7 +39,7 @@ from tests.admission_support import new_tenant
 from tests.conftest import create_test_database, drop_test_database
 from tests.scheduler_support import OPEN, UNCAPPED, pick_attempts, submit
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.redis_cluster]
 ENT, PAID = "ENTERPRISE_RESERVED", "PAID_SHARED"
 
 

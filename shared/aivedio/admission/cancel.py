@@ -34,7 +34,7 @@ def cancel(platform, caller: Caller, task_id: UUID) -> dict:
     with platform.db.connection() as conn:
         policy = conn.execute("select cancel_rate_per_minute from tenant_scheduling_policy where tenant_id = %s",
                               (caller.tenant_id,)).fetchone()
-    r = take(platform, f"tenant:{caller.tenant_id}:cancel", policy["cancel_rate_per_minute"])
+    r = take(platform, f"tenant:{caller.tenant_id}:cancel", policy["cancel_rate_per_minute"], slot=str(caller.tenant_id))
     if not r.allowed:
         raise Rejected("REJECT_CANCEL_RATE_LIMIT", "cancel rate exceeded", r.retry_after_seconds)
 

@@ -22,15 +22,20 @@ def _refill_per_ms(per_minute: int, time_scale: float) -> float:
     return per_minute / 60_000.0 * time_scale
 
 
-def take(platform, bucket: str, per_minute: int, cost: int = 1) -> RateDecision:
-    """Take `cost` tokens from the bucket named `bucket` whose capacity and refill are per_minute."""
+def _redis_key(cache, slot: str, bucket: str) -> str:
+    return cache.key_in_slot("rate", slot, bucket)
+
+
+def take(platform, bucket: str, per_minute: int, cost: int = 1, *, slot: str) -> RateDecision:
+    """Take `cost` tokens from the bucket named `bucket` whose capacity and refill are per_minute
+    (`slot`: as take_all's)."""
     if per_minute <= 0:
         return RateDecision(False, 60)
     rate = _refill_per_ms(per_minute, platform.clock.time_scale)
     if platform.cache is not None:
         cache = platform.cache
         try:
-            allowed, retry_ms = cache.run(cache.script("token_bucket"), keys=[cache.key("rate", bucket)], args=[per_minute, rate, cost])
+            allowed, retry_ms = cache.run(cache.script("token_bucket"), keys=[_redis_key(cache, slot, bucket)], args=[per_minute, rate, cost])
             return RateDecision(bool(allowed), math.ceil(int(retry_ms) / 1000))
         except CacheUnavailable as e:
             degraded.redis_down(platform, str(e))
@@ -39,14 +44,18 @@ def take(platform, bucket: str, per_minute: int, cost: int = 1) -> RateDecision:
     return _take_pg(platform, bucket, per_minute, rate, cost)
 
 
-def take_all(platform, buckets: list[tuple[str, int]], cost: int = 1) -> tuple[int, RateDecision] | None:
+def take_all(platform, buckets: list[tuple[str, int]], cost: int = 1, *, slot: str) -> tuple[int, RateDecision] | None:
     """take() from each (bucket, per_minute) in order, in one Redis call (token_buckets.lua): the
     first bucket that refuses ends it, and the ones after it are not touched, exactly as calling
     take() for each in turn until one refuses. Returns (index, decision) of the refusal, or None
-    when every bucket gave. Without Redis each bucket is taken from PostgreSQL in turn."""
+    when every bucket gave. Without Redis each bucket is taken from PostgreSQL in turn.
+
+    `slot` is the hash tag every bucket's Redis key carries (admission: the tenant), so the one
+    script touches one slot on a cluster; the buckets of one name under different slots are
+    different buckets, so a name is always taken under the same slot."""
     for n, (_, per_minute) in enumerate(buckets):
         if per_minute <= 0:  # refuses without a call, after the buckets before it gave
-            refused = take_all(platform, buckets[:n], cost) if n else None
+            refused = take_all(platform, buckets[:n], cost, slot=slot) if n else None
             return refused or (n, RateDecision(False, 60))
     if not buckets:
         return None
@@ -57,7 +66,7 @@ def take_all(platform, buckets: list[tuple[str, int]], cost: int = 1) -> tuple[i
         for _, per_minute in buckets:
             args += [per_minute, _refill_per_ms(per_minute, scale)]
         try:
-            index, retry_ms = cache.run(cache.script("token_buckets"), keys=[cache.key("rate", b) for b, _ in buckets], args=args)
+            index, retry_ms = cache.run(cache.script("token_buckets"), keys=[_redis_key(cache, slot, b) for b, _ in buckets], args=args)
             index = int(index)
             return None if index == 0 else (index - 1, RateDecision(False, math.ceil(int(retry_ms) / 1000)))
         except CacheUnavailable as e:
@@ -71,11 +80,11 @@ def take_all(platform, buckets: list[tuple[str, int]], cost: int = 1) -> tuple[i
     return None
 
 
-def give_back(platform, buckets: list[tuple[str, int]], cost: int = 1) -> None:
+def give_back(platform, buckets: list[tuple[str, int]], cost: int = 1, *, slot: str) -> None:
     """Give `cost` tokens back to each of the buckets take_all took them from (a request that spent
     none after all: admission's replay): the same call with the cost negated, which adds them, up to
     each bucket's capacity."""
-    take_all(platform, [(b, per_minute) for b, per_minute in buckets if per_minute > 0], cost=-cost)
+    take_all(platform, [(b, per_minute) for b, per_minute in buckets if per_minute > 0], cost=-cost, slot=slot)
 
 
 def _take_pg(platform, bucket: str, capacity: int, rate_per_ms: float, cost: int) -> RateDecision:

