@@ -19,6 +19,7 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import aws_wafv2 as wafv2
 from constructs import Construct, IConstruct
 
+from infra_cdk.api import add_gateway_responses
 from infra_cdk.functions import AppFunction
 from infra_cdk.nag import suppress
 from infra_cdk.stages import StageConfig
@@ -66,6 +67,7 @@ class AdminApi(Construct):
                 resource.add_method("ANY", integration, request_validator=self.validator)
             resource.add_proxy(default_integration=integration, any_method=True, default_method_options=options)
 
+        add_gateway_responses(self.api)  # API Gateway's own answers in the API's error shape, as the tenant API's
         wafv2.CfnWebACLAssociation(self, "WebAclAssociation", resource_arn=self.api.deployment_stage.stage_arn,
                                    web_acl_arn=web_acl.attr_arn)
 

@@ -12,8 +12,13 @@
   the handler enforces the same limit with a 413 (defence in depth, and locally).
 - Request validation: a validator checks required parameters; bodies are validated by the
   handler's pydantic models (APIGatewayRestResolver(enable_validation=True)), one place only.
-- Access logs to CloudWatch Logs in JSON, execution logging at ERROR, X-Ray tracing."""
+- Access logs to CloudWatch Logs in JSON, execution logging at ERROR, X-Ray tracing.
+- API Gateway's own answers (its throttling 429, its 413, a timeout's 504, any other 4xx/5xx it
+  gives) and the WAF's blocks answer in the API's error shape, from aivedio.gateway_errors, the
+  table the local server answers from too; `add_gateway_responses` does the same for the admin API."""
 from __future__ import annotations
+
+import json
 
 from aws_cdk import RemovalPolicy
 from aws_cdk import aws_apigateway as apigw
@@ -21,12 +26,41 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import aws_wafv2 as wafv2
 from constructs import Construct
 
+from aivedio import gateway_errors
 from aivedio.config import Limits
 from infra_cdk.functions import AppFunction
 from infra_cdk.nag import suppress
 from infra_cdk.stages import StageConfig
 
 WAF_BODY_LIMITS_KB = (16, 32, 48, 64)  # what WAF can inspect of an API Gateway request body
+
+
+def add_gateway_responses(api: apigw.RestApi) -> None:
+    """Every response API Gateway gives on its own, in the API's error shape (aivedio.gateway_errors)."""
+    for response_type, error in gateway_errors.GATEWAY_ERRORS.items():
+        headers = {"Content-Type": "'application/json'", "x-amzn-ErrorType": f"'{error.code}'"}
+        if error.retry_after_seconds is not None:
+            headers["Retry-After"] = f"'{error.retry_after_seconds}'"
+        api.add_gateway_response(
+            f"Gateway{''.join(w.title() for w in response_type.split('_'))}",
+            type=apigw.ResponseType.of(response_type),
+            status_code=None if error.status is None else str(error.status),
+            response_headers=headers,
+            templates={"application/json": gateway_errors.response_template(error)})
+
+
+def waf_block(rule: str) -> wafv2.CfnWebACL.RuleActionProperty:
+    """A WAF rule's block, answered in the API's error shape (its body under the rule's name in
+    the ACL's custom_response_bodies)."""
+    error = gateway_errors.WAF_BLOCKS[rule]
+    return wafv2.CfnWebACL.RuleActionProperty(block=wafv2.CfnWebACL.BlockActionProperty(
+        custom_response=wafv2.CfnWebACL.CustomResponseProperty(response_code=error.status, custom_response_body_key=rule)))
+
+
+def waf_response_bodies() -> dict[str, wafv2.CfnWebACL.CustomResponseBodyProperty]:
+    return {rule: wafv2.CfnWebACL.CustomResponseBodyProperty(content_type="APPLICATION_JSON",
+                                                              content=json.dumps(gateway_errors.body(error)))
+            for rule, error in gateway_errors.WAF_BLOCKS.items()}
 
 
 def body_inspection_limit(max_body_bytes: int) -> str:
@@ -82,6 +116,7 @@ class Api(Construct):
             quota=apigw.QuotaSettings(limit=stage.api_quota_per_day, period=apigw.Period.DAY),
             api_stages=[apigw.UsagePlanPerApiStage(api=self.api, stage=self.api.deployment_stage)],
         )
+        add_gateway_responses(self.api)
         self.web_acl = self._waf(stage)
 
         suppress(self.api, ("AwsSolutions-APIG2", "The validator checks parameters only. Bodies are validated by the "
@@ -108,14 +143,14 @@ class Api(Construct):
 
         rules = [
             wafv2.CfnWebACL.RuleProperty(
-                name="body-size", priority=0, action=wafv2.CfnWebACL.RuleActionProperty(block={}),
+                name="body-size", priority=0, action=waf_block("body-size"),
                 statement=wafv2.CfnWebACL.StatementProperty(size_constraint_statement=wafv2.CfnWebACL.SizeConstraintStatementProperty(
                     field_to_match=wafv2.CfnWebACL.FieldToMatchProperty(body=wafv2.CfnWebACL.BodyProperty(oversize_handling="MATCH")),
                     comparison_operator="GT", size=max_body,
                     text_transformations=[wafv2.CfnWebACL.TextTransformationProperty(priority=0, type="NONE")])),
                 visibility_config=visibility("body-size")),
             wafv2.CfnWebACL.RuleProperty(
-                name="rate-per-ip", priority=1, action=wafv2.CfnWebACL.RuleActionProperty(block={}),
+                name="rate-per-ip", priority=1, action=waf_block("rate-per-ip"),
                 statement=wafv2.CfnWebACL.StatementProperty(rate_based_statement=wafv2.CfnWebACL.RateBasedStatementProperty(
                     limit=stage.waf_rate_limit_per_ip, aggregate_key_type="IP")),
                 visibility_config=visibility("rate-per-ip")),
@@ -137,6 +172,7 @@ class Api(Construct):
             self, "WebAcl", name=f"{stage.prefix}-api", scope="REGIONAL",
             default_action=wafv2.CfnWebACL.DefaultActionProperty(allow={}),
             visibility_config=visibility("api"),
+            custom_response_bodies=waf_response_bodies(),
             association_config=wafv2.CfnWebACL.AssociationConfigProperty(request_body={
                 "API_GATEWAY": wafv2.CfnWebACL.RequestBodyAssociatedResourceTypeConfigProperty(
                     default_size_inspection_limit=body_inspection_limit(max_body))}),

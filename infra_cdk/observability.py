@@ -13,7 +13,10 @@ wait over its max_wait_seconds), outbox backlog, every DLQ holding a message (it
 letters (FAILED rows, redriven with `aivedio admin outbox redrive`; and when the service that counts
 them stops publishing), reconciliation breaks, errors of the scheduled functions (a failing tick or
 relay halts the platform), and attempt workflow executions that fail or time out (a step raised:
-the lease scanner restarts the attempt, but a step that keeps raising needs a look).
+the lease scanner restarts the attempt, but a step that keeps raising needs a look). The money-risk
+signals page too: a task open in manual review, each degraded mode, a budget reaching the restrict
+level (budget_restrict_pct, 90 % by default) and unreconciled provider cost above the stage's
+threshold; the dashboard's first row shows their state.
 
 The catalog's gauges and counters are emitted by the capabilities that own them (scheduler,
 attempts, reconcilers); until they do, those graphs stay empty and those alarms stay in
@@ -33,7 +36,8 @@ from constructs import Construct
 
 from aivedio import events_routing
 from aivedio import metrics_catalog as mc
-from aivedio.config import LANES, Limits, PlatformConfig
+from aivedio import degraded
+from aivedio.config import LANES, BillingConfig, Limits, PlatformConfig
 from aivedio.reconcile import outbox_dead_letters
 from infra_cdk.functions import Functions
 from infra_cdk.stages import StageConfig
@@ -41,6 +45,7 @@ from infra_cdk.stages import StageConfig
 PERIOD = Duration.minutes(1)
 OUTBOX_BACKLOG_ALARM = Limits().outbox_backlog_reject_threshold // 10  # alarm long before admission rejects
 OUTBOX_DEAD_LETTERS_RUNS = 2  # the alarm's period, in the service's runs: one lost invocation is not an alarm
+BUDGET_SCOPES = ("TENANT", "PROJECT", "PROVIDER_ACCOUNT", "MODEL", "REGION", "GLOBAL")  # budget_account.scope_type
 
 
 def metric(spec: mc.MetricSpec, *, label: str | None = None, **dims: str) -> cw.Metric:
@@ -111,6 +116,7 @@ class Observability(Construct):
                 alarm(f"errors-{fn.name.replace('_', '-')}",
                       fn.function.metric_errors(period=Duration.minutes(5), statistic="Sum"),
                       threshold=0, periods=2, description=f"{fn.name} failing for 10 minutes")
+        self.money_risk = self._money_risk_alarms(stage, alarm)
         if state_machine is not None:
             workflow_failures = cw.MathExpression(
                 expression="failed + timedout", label="failed or timed out", period=Duration.minutes(5),
@@ -122,6 +128,9 @@ class Observability(Construct):
 
         self.dashboard = cw.Dashboard(self, "Dashboard", dashboard_name=f"{stage.prefix}-operations",
                                       default_interval=Duration.hours(3))
+        self.dashboard.add_widgets(cw.AlarmStatusWidget(
+            title="Money at risk: manual review, degraded modes, budgets, unreconciled cost", width=24, height=4,
+            alarms=self.money_risk))
         by_lane = lambda spec: [metric(spec, lane=lane, label=lane) for lane in LANES]  # noqa: E731
         self.dashboard.add_widgets(
             cw.GraphWidget(title="Queue depth (units) per lane", left=by_lane(mc.QUEUE_DEPTH_UNITS), width=12, stacked=True),
@@ -162,6 +171,32 @@ class Observability(Construct):
                       state_machine.metric_succeeded(period=five, statistic="Sum", label="succeeded"),
                       state_machine.metric_failed(period=five, statistic="Sum", label="failed"),
                       state_machine.metric_timed_out(period=five, statistic="Sum", label="timed out")]))
+
+    @staticmethod
+    def _money_risk_alarms(stage: StageConfig, alarm) -> list[cw.Alarm]:
+        """The signals that money or a tenant's work is at risk, each paging the topic."""
+        made = [alarm("manual-review-open", metric(mc.MANUAL_REVIEW_OPEN), threshold=0, periods=1,
+                      description="tasks wait in MANUAL_REVIEW (their job may run, and be billed, unseen): "
+                                  "`aivedio admin review list`, then `aivedio admin review resolve`")]
+        for mode in degraded.MODES:
+            made.append(alarm(f"degraded-{mode.replace('_', '-')}", metric(mc.DEGRADED_MODE, mode=mode), threshold=0,
+                              periods=1, description=f"degraded mode {mode} is active (see /healthz and "
+                                                     f"docs/operations.md, degraded modes)"))
+        restrict = BillingConfig().budget_restrict_pct
+        five = Duration.minutes(5)
+        at_restrict = {f"s{i}": metric(mc.BUDGET_ALERTS, scope=scope, level=str(restrict)).with_(period=five)
+                       for i, scope in enumerate(BUDGET_SCOPES)}
+        made.append(alarm(f"budget-at-{restrict}pct", cw.MathExpression(
+            expression=" + ".join(f"FILL({k}, 0)" for k in at_restrict), label=f"budgets reaching {restrict} %",
+            period=five, using_metrics=at_restrict), threshold=0, periods=1,
+            description=f"a budget reached {restrict} % of its limit: costly and low-priority work of its scope "
+                        f"now waits (`aivedio admin budget status`)"))
+        made.append(alarm("unreconciled-cost", metric(mc.UNRECONCILED_COST).with_(period=Duration.minutes(15)),
+                          threshold=stage.unreconciled_cost_alarm_usd, periods=4,
+                          description=f"provider cost not matched to an invoice line above "
+                                      f"{stage.unreconciled_cost_alarm_usd} USD for an hour: the daily reconciliation "
+                                      f"is behind or found breaks (`aivedio reconcile invoices --provider P --date D`)"))
+        return made
 
     # Graphed in the rows above; every other catalog metric gets a graph of its own below.
     FEATURED = frozenset(spec.name for spec in (

@@ -47,6 +47,8 @@ class StageConfig:
     waf_rate_limit_per_ip: int  # requests per 5 minutes per client IP
     # the admin API's own stage (infra_cdk/admin_api.py): a few operators and their dashboards
     admin_api_rate_limit: int = 20
+    # alarms: provider cost not yet matched to an invoice line above this pages (the UnreconciledCost gauge)
+    unreconciled_cost_alarm_usd: int = 100
     admin_api_burst_limit: int = 40
     # functions: reserved concurrency. `api` is capped so a flood of requests cannot take the
     # concurrency the admitted work needs: attempt_step and settlement have their own reservation,

@@ -11,6 +11,8 @@ import threading
 
 import pytest
 
+from aivedio import gateway_errors
+
 from aivedio_tools.local.http_server import MAX_BODY_BYTES, LambdaHttpServer, read_headers
 
 
@@ -105,7 +107,8 @@ def test_body_over_10_mib_is_413(server):
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413")
     doc = json.loads(body)
-    assert doc["error"] == "PAYLOAD_TOO_LARGE" and doc["message"] == "Request Too Long"
+    # The body API Gateway's REQUEST_TOO_LARGE response gives in AWS (the CDK app deploys the same table).
+    assert doc == gateway_errors.body(gateway_errors.GATEWAY_ERRORS["REQUEST_TOO_LARGE"])
 
 
 def test_body_of_exactly_10_mib_passes(server):
@@ -117,7 +120,8 @@ def test_body_of_exactly_10_mib_passes(server):
 def test_failing_handler_is_502(server, path):
     status, _, body = request(server, "GET", path)
     assert status == 502
-    assert json.loads(body)["error"] == "INTERNAL"
+    doc = json.loads(body)
+    assert doc["error"] == "INTERNAL" and set(doc) == {"error", "message", "details"} and doc["details"]["request_id"]
 
 
 def test_keep_alive_serves_several_requests_on_one_connection(server):

@@ -12,6 +12,8 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
+from aivedio import gateway_errors
+
 Headers = Mapping[str, str] | Iterable[tuple[str, str]]
 
 ACCOUNT_ID = "000000000000"
@@ -150,7 +152,20 @@ def from_response(resp: Any) -> HttpResponse:
 
 
 def gateway_error(status: int, code: str, message: str) -> HttpResponse:
-    """An answer API Gateway gives on its own (413, 502), in our error shape. Its own bodies are
-    {"message": ...}; ours keep that key and add error/details."""
+    """An answer the local server gives on its own for a request it could not read (a bad
+    Content-Length or chunk), in our error shape."""
     body = json.dumps({"error": code, "message": message, "details": {}}).encode()
     return HttpResponse(status, [("Content-Type", "application/json"), ("x-amzn-ErrorType", code)], body)
+
+
+def gateway_response(response_type: str, *, status: int | None = None) -> HttpResponse:
+    """What API Gateway answers on its own for `response_type` (REQUEST_TOO_LARGE, DEFAULT_5XX...),
+    from the table the CDK app deploys (aivedio.gateway_errors); `status` where the type keeps
+    API Gateway's own."""
+    error = gateway_errors.GATEWAY_ERRORS[response_type]
+    code = error.status or status
+    assert code is not None, response_type
+    headers = [("Content-Type", "application/json"), ("x-amzn-ErrorType", error.code)]
+    if error.retry_after_seconds is not None:
+        headers.append(("Retry-After", str(error.retry_after_seconds)))
+    return HttpResponse(code, headers, json.dumps(gateway_errors.body(error, request_id=str(uuid.uuid4()))).encode())

@@ -200,7 +200,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(apigw.gateway_error(400, "BAD_REQUEST", "invalid Content-Length"), close=True)
             return None
         if length > MAX_BODY_BYTES:
-            self._reply(apigw.gateway_error(413, "PAYLOAD_TOO_LARGE", "Request Too Long"), close=True)
+            self._reply(apigw.gateway_response("REQUEST_TOO_LARGE"), close=True)
             return None
         return self.rfile.read(length)
 
@@ -220,7 +220,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return b"".join(parts)
             total += size
             if total > MAX_BODY_BYTES:
-                self._reply(apigw.gateway_error(413, "PAYLOAD_TOO_LARGE", "Request Too Long"), close=True)
+                self._reply(apigw.gateway_response("REQUEST_TOO_LARGE"), close=True)
                 return None
             parts.append(self.rfile.read(size))
             self.rfile.readline(8)  # the CRLF after each chunk
@@ -243,10 +243,10 @@ class _Handler(BaseHTTPRequestHandler):
             resp = apigw.from_response(result)
         except apigw.MalformedProxyResponse as e:
             log.error("%s returned a malformed proxy response: %s", function_name, e)
-            resp = apigw.gateway_error(502, "INTERNAL", "Internal server error")
+            resp = apigw.gateway_response("DEFAULT_5XX", status=502)
         except Exception:
             log.exception("%s raised", function_name)
-            resp = apigw.gateway_error(502, "INTERNAL", "Internal server error")
+            resp = apigw.gateway_response("DEFAULT_5XX", status=502)
         self._reply(resp)
 
     def _reply(self, resp: apigw.HttpResponse, close: bool = False) -> None:
