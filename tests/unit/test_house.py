@@ -26,7 +26,7 @@ PACKAGES = {RUNTIME: ROOT / "shared", TOOLS: ROOT / "shared", "functions": ROOT,
 # read it and it loads its services only by name.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("errors", "config", "reconcile.room", "tasks", "events", "metrics_catalog", "observability",
-                    "tenant_errors", "faults", "caching", "cloud_config", "cloud_credentials")),
+                    "tenant_errors", "gateway_errors", "faults", "caching", "cloud_config", "cloud_credentials")),
     ("plumbing", ("db", "cache", "context", "wakeups", "events_routing", "outbox", "audit", "auth", "degraded",
                   "terminal_events")),
     ("operator-set policy, as data", ("policy",)),
