@@ -101,7 +101,8 @@ def test_waf_limits_the_request_body_to_the_platform_limit(synth, stage):
     stmt = size_rule["Statement"]["SizeConstraintStatement"]
     assert stmt["Size"] == Limits().max_body_bytes and stmt["ComparisonOperator"] == "GT"
     assert stmt["FieldToMatch"]["Body"]["OversizeHandling"] == "MATCH"
-    assert size_rule["Action"] == {"Block": {}}
+    # Blocked with a 413 in the API's error shape (its body under the rule's name: test_alarms_and_gateway_errors).
+    assert size_rule["Action"] == {"Block": {"CustomResponse": {"ResponseCode": 413, "CustomResponseBodyKey": "body-size"}}}
     t.resource_count_is("AWS::WAFv2::WebACLAssociation", 2)  # the tenant API's stage and the admin API's
 
 
