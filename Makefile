@@ -42,7 +42,7 @@ test: $(STAMP) $(CHROMIUM)
 migrate: $(STAMP)
 	$(VENV)/bin/aivedio db migrate
 
-# The shared Lambda layer, without Docker: Linux wheels for python3.12 plus shared/aivedio (layers/build.py).
+# The Lambda layers, without Docker: Linux wheels for python3.12 plus shared/aivedio (core), PyAV (media) (layers/build.py).
 layer: $(STAMP)
 	$(PY) layers/build.py
 

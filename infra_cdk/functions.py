@@ -1,6 +1,7 @@
 """Every handler under functions/ becomes a Lambda function: found in the tree, each with its own
-role that starts empty and is granted only what its profile says it uses, the one shared layer
-(build/layer, see layers/build.py), the functions/ tree as code, a log group with retention, X-Ray
+role that starts empty and is granted only what its profile says it uses, the core layer
+(build/layer, see layers/build.py) and, for the functions that open media, the media layer
+(build/layer-media: PyAV), the functions/ tree as code, a log group with retention, X-Ray
 tracing, and reserved concurrency where the stage bounds it.
 
 A new function needs a line in PROFILES: synthesis fails for a handler without one, so nothing is
@@ -55,6 +56,7 @@ class FunctionProfile:
     # Media jobs on Batch (infra_cdk/media.py; AIVEDIO_MEDIA_BATCH names the queues and definitions):
     submits_media_jobs: bool = False  # batch:SubmitJob on the media job queues and their job definitions only
     describes_media_jobs: bool = False  # batch:DescribeJobs (no resource-level permissions exist for it)
+    parses_media: bool = False  # opens media with PyAV (aivedio.media.probe): the media layer too
 
 
 PROFILES: dict[str, FunctionProfile] = {
@@ -64,7 +66,7 @@ PROFILES: dict[str, FunctionProfile] = {
         # Admission probes input media (aivedio.media.probe): https:// URLs need the internet,
         # s3:// inputs are read from the media bucket's uploads. Generations' outputs are presigned
         # GET URLs of the media bucket's outputs/ (aivedio.media.urls), signed with this role.
-        internet=True, media_read_prefixes=("inputs/", "outputs/")),
+        internet=True, media_read_prefixes=("inputs/", "outputs/"), parses_media=True),
     "admin_api": FunctionProfile(
         "Admin API behind its own API Gateway: operators, tenants and keys, policies, capacity, reviews, "
         "refunds; the operations dashboard", memory_mb=1024, timeout_seconds=29, database=True, redis=True,
@@ -144,32 +146,32 @@ def functions_code() -> lambda_.Code:
     )
 
 
-def layer_code(mode: str) -> lambda_.Code:
-    """`build` (default): build/layer from layers/build.py, with the aivedio package refreshed from
-    shared/ now, so a synth never ships a stale core. `stub`: an empty layer, for tests and for
-    looking at templates without the download; not deployable."""
+def layer_code(mode: str, which: str = "core") -> lambda_.Code:
+    """`build` (default): the layer `which` (core: build/layer, media: build/layer-media) from
+    layers/build.py, the core's aivedio package refreshed from shared/ now, so a synth never ships a
+    stale core. `stub`: an empty layer, for tests and for looking at templates without the
+    download; not deployable."""
     if mode == "stub":
-        stub = ROOT / "build" / "layer-stub" / "python"
+        stub = ROOT / "build" / ("layer-stub" if which == "core" else f"layer-{which}-stub") / "python"
         stub.mkdir(parents=True, exist_ok=True)
-        (stub / "README.txt").write_text("Stub layer (-c layer=stub): synthesis only, not deployable.\n")
+        (stub / "README.txt").write_text(f"Stub {which} layer (-c layer=stub): synthesis only, not deployable.\n")
         return lambda_.Code.from_asset(str(stub.parent))
     if mode != "build":
         raise ValueError(f"-c layer={mode!r}: expected build or stub")
-    site = layer_build.SITE_DIR
-    if not site.is_dir() or not layer_build.STAMP.exists():
-        raise SystemExit(f"{layer_build.LAYER_DIR} is missing: run `make layer` (python layers/build.py), "
-                         "or synthesize with -c layer=stub")
-    if layer_build.STAMP.read_text() != layer_build._stamp(layer_build.runtime_requirements()):
-        raise SystemExit("the layer's dependencies changed in pyproject.toml: run `make layer` again")
-    layer_build.copy_package()
-    return lambda_.Code.from_asset(str(layer_build.LAYER_DIR), exclude=[".deps-stamp"])
+    layer_dir = layer_build.LAYER_DIR if which == "core" else layer_build.MEDIA_LAYER_DIR
+    if not (layer_dir / "python").is_dir() or layer_build.stale(which):
+        raise SystemExit(f"{layer_dir} is missing or its dependencies changed in pyproject.toml: run `make layer` "
+                         "(python layers/build.py), or synthesize with -c layer=stub")
+    if which == "core":
+        layer_build.refresh_package()
+    return lambda_.Code.from_asset(str(layer_dir), exclude=[".deps-stamp"])
 
 
 class AppFunction(Construct):
     """One function, its role, log group and security group."""
 
     def __init__(self, scope: Construct, name: str, *, stage: StageConfig, profile: FunctionProfile,
-                 code: lambda_.Code, layer: lambda_.ILayerVersion, vpc: ec2.IVpc,
+                 code: lambda_.Code, layers: list[lambda_.ILayerVersion], vpc: ec2.IVpc,
                  environment: dict[str, str]) -> None:
         super().__init__(scope, name)
         self.name, self.profile = name, profile
@@ -200,7 +202,7 @@ class AppFunction(Construct):
             function_name=function_name,
             description=profile.description,
             runtime=RUNTIME, architecture=ARCHITECTURE,
-            handler=handler_path(name), code=code, layers=[layer],
+            handler=handler_path(name), code=code, layers=layers,
             role=self.role, log_group=self.log_group,
             memory_size=profile.memory_mb, timeout=Duration.seconds(profile.timeout_seconds),
             vpc=vpc, vpc_subnets=EGRESS if profile.internet else ISOLATED, security_groups=[self.sg],
@@ -214,7 +216,7 @@ class AppFunction(Construct):
                                                   "statement names its resources.",
                              ["Resource::*"]), children=True)
         suppress(self.function, ("AwsSolutions-L1", f"Pinned to python{layer_build.PYTHON_VERSION}, the version the "
-                                                    "shared layer's binary wheels are built for (layers/build.py "
+                                                    "layers' binary wheels are built for (layers/build.py "
                                                     "PYTHON_VERSION); both move together."))
 
     def add_environment(self, key: str, value: str) -> None:
@@ -232,16 +234,23 @@ class Functions(Construct):
         if missing:
             raise SystemExit(f"functions/{missing[0]}/handler.py has no profile: add it to PROFILES in "
                              "infra_cdk/functions.py (what it uses: database, redis, queues, buckets)")
+        removal = RemovalPolicy.RETAIN if stage.retain else RemovalPolicy.DESTROY
         self.layer = lambda_.LayerVersion(
             self, "SharedLayer", code=layer_code(layer_mode),
             compatible_runtimes=[RUNTIME], compatible_architectures=[ARCHITECTURE],
-            description="aivedio core (shared/aivedio) and its runtime dependencies",
-            removal_policy=RemovalPolicy.RETAIN if stage.retain else RemovalPolicy.DESTROY,
+            description="aivedio core (shared/aivedio) and its runtime dependencies but PyAV",
+            removal_policy=removal,
+        )
+        self.media_layer = lambda_.LayerVersion(
+            self, "MediaLayer", code=layer_code(layer_mode, "media"),
+            compatible_runtimes=[RUNTIME], compatible_architectures=[ARCHITECTURE],
+            description="PyAV and its FFmpeg, for the functions that open media (parses_media)",
+            removal_policy=removal,
         )
         code = functions_code()
         self.by_name: dict[str, AppFunction] = {
-            n: AppFunction(self, n, stage=stage, profile=PROFILES[n], code=code, layer=self.layer, vpc=vpc,
-                           environment=environment)
+            n: AppFunction(self, n, stage=stage, profile=PROFILES[n], code=code, vpc=vpc, environment=environment,
+                           layers=[self.layer, *([self.media_layer] if PROFILES[n].parses_media else [])])
             for n in names
         }
 

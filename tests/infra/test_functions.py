@@ -66,14 +66,21 @@ def test_the_code_asset_holds_the_functions_tree_only(synth):
     assert not list(asset.rglob("__pycache__"))
 
 
-def test_every_function_uses_the_one_shared_layer(synth, stage):
+def test_every_function_has_the_core_layer_and_only_the_media_functions_pyav(synth, stage):
     template = synth.template_json(stage, "App")
-    layers = [lid for lid, r in template["Resources"].items() if r["Type"] == "AWS::Lambda::LayerVersion"]
-    assert len(layers) == 1
-    layer = template["Resources"][layers[0]]
-    assert layer["Properties"]["CompatibleRuntimes"] == [f"python{layer_build.PYTHON_VERSION}"]
-    for fn in lambdas(template).values():
-        assert fn["Properties"]["Layers"] == [{"Ref": layers[0]}]
+    layers = {lid: r for lid, r in template["Resources"].items() if r["Type"] == "AWS::Lambda::LayerVersion"}
+    assert len(layers) == 2
+    [core] = [lid for lid in layers if lid.startswith("FunctionsSharedLayer")]
+    [media] = [lid for lid in layers if lid.startswith("FunctionsMediaLayer")]
+    for layer in layers.values():
+        assert layer["Properties"]["CompatibleRuntimes"] == [f"python{layer_build.PYTHON_VERSION}"]
+    with_media = []
+    for name, fn in lambdas(template).items():
+        want = [{"Ref": core}] + ([{"Ref": media}] if PROFILES[name].parses_media else [])
+        assert sorted(fn["Properties"]["Layers"], key=str) == sorted(want, key=str), name  # no file is in both
+        if PROFILES[name].parses_media:
+            with_media.append(name)
+    assert with_media == ["api"]  # admission probes inputs (aivedio.media.probe); nothing else opens media
 
 
 def test_only_internet_facing_functions_sit_in_subnets_with_a_nat_route(synth, stage):

@@ -9,6 +9,7 @@ import os
 from aivedio.config import ConfigError, settings_from_env
 from aivedio.context import resolve_urls
 from aivedio_tools.bench.admission import bench_admission
+from aivedio_tools.bench.layers import LayersNotBuilt, bench_layers
 from aivedio_tools.bench.media import bench_media
 from aivedio_tools.bench.rounds import DEFAULT_ROUNDS
 from aivedio_tools.bench.scheduler import bench_scheduler
@@ -21,6 +22,12 @@ from aivedio_tools.local.embedded import with_embedded_servers
 def _bench(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise ConfigError(f"--rounds: {args.rounds} (at least 1)")
+    if args.only == "layers":  # needs no database: the built layers and a python of their version
+        try:
+            emit({"layers": bench_layers(rounds=args.rounds)}, args.json)
+        except LayersNotBuilt as e:
+            raise ConfigError(f"bench --only layers: {e}") from None
+        return 0
     db_url, redis_url = resolve_urls(with_embedded_servers(settings_from_env()))
     cpus = os.cpu_count() or 2
     workers = args.workers or max(2, cpus + 1)
@@ -58,6 +65,6 @@ def register(sub) -> None:
     b.add_argument("--schedulers", type=int, default=None, help="scheduler processes (tick replicas), and their pgbench clients")
     b.add_argument("--settlers", type=int, default=None, help="settlement processes (Lambda instances), and their pgbench clients")
     b.add_argument("--media-workers", type=int, default=None, help="concurrent media jobs (one CPU unit each)")
-    b.add_argument("--only", choices=["admission", "scheduler", "settlement", "media"], default=None,
-                   help="one benchmark (default: all)")
+    b.add_argument("--only", choices=["admission", "scheduler", "settlement", "media", "layers"], default=None,
+                   help="one benchmark (default: all but layers, which needs `make layer` and a python of the layers' version)")
     b.set_defaults(fn=_bench)
