@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from aws_cdk import CustomResource, Duration, RemovalPolicy
+from aws_cdk import CustomResource, Duration, RemovalPolicy, Tags
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_elasticache as elasticache
 from aws_cdk import aws_iam as iam
@@ -25,6 +25,7 @@ from constructs import Construct
 
 from aivedio.db.migrate import schema_fingerprint
 from aivedio.media.retention import RETENTION_CLASSES, TAG
+from aivedio.spend.media_costs import BUCKET_SCOPE, COST_SCOPE_TAG
 from infra_cdk.nag import suppress
 from infra_cdk.network import ISOLATED
 from infra_cdk.stages import StageConfig
@@ -215,6 +216,10 @@ class Buckets(Construct):
             lifecycle_rules=rules, server_access_logs_bucket=self.access_logs, server_access_logs_prefix="media/",
             removal_policy=stage.removal_policy, auto_delete_objects=dev,
         )
+        # Cost allocation reads a bucket's tags, never an object's: the Cost and Usage Report's lines
+        # of this bucket's storage carry this tag (activated as a cost allocation tag), and
+        # aivedio.spend.media_costs keeps them for the monthly check of aivedio.media.storage_cost.
+        Tags.of(self.media).add(COST_SCOPE_TAG, BUCKET_SCOPE)
 
         lock = (s3.ObjectLockRetention.compliance if stage.invoice_lock_mode == "COMPLIANCE"
                 else s3.ObjectLockRetention.governance)(Duration.days(stage.invoice_lock_days))

@@ -373,12 +373,23 @@ class MediaConfig(_Strict):
     local_dir: Path | None = None  # where local workers store outputs; None: <AIVEDIO_HOME>/media
     worker_command: list[str] = Field(default_factory=list)  # empty: this Python and containers/gpu-render/worker.py
     # Media cost attributed to each task (media_cost_event, kinds TRANSCODE and STORAGE), in cost_currency:
-    # per worker-slot unit and second of transcoding, and per GB stored (one month, booked when stored).
+    # per worker-slot unit and second of transcoding, and the stored outputs' whole storage life
+    # (aivedio.media.storage_cost), booked when they are stored.
     cost_currency: str = "USD"
     # Cost per slot unit and second of worker time, a decimal string in cost_currency.
     transcode_cost_per_unit_second: str = Field(default="0.00005", pattern=r"^\d+(\.\d+)?$")
-    # Cost per GB (10^9 bytes) stored for a month, booked when stored; not in AWS (there imported from the Cost and Usage Report).
+    # Cost per GB (2^30 bytes) and month in S3 Standard, where every output starts.
     storage_cost_per_gb_month: str = Field(default="0.023", pattern=r"^\d+(\.\d+)?$")
+    # Cost per GB and month in S3 Standard-IA, where a retention class moves outputs after 30 days.
+    storage_ia_cost_per_gb_month: str = Field(default="0.0125", pattern=r"^\d+(\.\d+)?$")
+    # Cost per GB and month in S3 Glacier Instant Retrieval, where final outputs go after 180 days.
+    storage_glacier_ir_cost_per_gb_month: str = Field(default="0.004", pattern=r"^\d+(\.\d+)?$")
+    # How many months of storage a task is charged for when its retention class never expires its outputs.
+    storage_horizon_months: int = Field(default=12, gt=0)
+    # How far, in percent of the larger figure, the media bucket's billed storage for a month (its
+    # TimedStorage lines in the Cost and Usage Report) may stray from what the platform expects
+    # before the month is parked for finance as STORAGE_COST_MISMATCH.
+    storage_check_tolerance_pct: int = Field(default=5, ge=0, le=100)
 
 
 class SchedulerConfig(_Strict):

@@ -60,6 +60,11 @@ def test_media_bucket_has_a_lifecycle_rule_per_retention_class(synth, stage):
         assert rule["TagFilters"] == [{"Key": "retention_class", "Value": rc.name}]
         assert rule.get("ExpirationInDays") == rc.expire_after_days
     assert media["DeletionPolicy"] == ("Retain" if STAGES[stage].retain else "Delete")
+    # Cost allocation reads the bucket's tags, never an object's: the CUR's storage lines of this
+    # bucket carry this one, and the monthly storage check reads them (aivedio.media.storage_cost).
+    assert {"Key": "aivedio:cost-scope", "Value": "media-storage"} in media["Properties"]["Tags"]
+    others = [b for lid, b in buckets.items() if not lid.startswith("BucketsMedia")]
+    assert others and not [b for b in others if any(t["Key"] == "aivedio:cost-scope" for t in b["Properties"].get("Tags", []))]
 
 
 def test_invoice_archive_is_versioned_and_object_locked(synth, stage):

@@ -32,11 +32,11 @@ from aivedio import tasks
 from aivedio.admission.cancel import TaskTerminal, cancel
 from aivedio.attempts import lifecycle
 from aivedio.billing import policies
-from aivedio.spend.costs import cost_report
+from aivedio.spend.costs import QUANTUM, cost_report
 from aivedio.billing.settlement import settle
 from aivedio.bootstrap import apply_config
 from aivedio.config import ManualClock, MediaConfig, PlatformConfig, ProviderAccount, ProviderConfig
-from aivedio.media import pipeline, urls
+from aivedio.media import pipeline, storage_cost, urls
 from aivedio.providers.adapter import parse_job
 from aivedio.reconcile import media_jobs, room
 from aivedio.scheduling.scheduler import Scheduler
@@ -709,7 +709,13 @@ def test_in_aws_outputs_go_to_the_media_bucket_and_the_tenant_gets_presigned_url
             o["key"] = prefix + Path(o["key"]).name  # an S3 worker reports the object key
         result["outputs"][0]["key"] = "s3://aivedio-media-test/" + result["outputs"][0]["key"]  # or the s3:// URL
         assert complete(p, result) == pipeline.APPLIED
-        assert one(p, "select count(*) as n from media_cost_event where task_id = %s and kind = 'STORAGE'", ref.task_id)["n"] == 0
+        # The outputs' storage life is booked by the platform in AWS too: cost allocation never reads an
+        # object's tags, so the CUR bills the bucket as a whole (aivedio.media.storage_cost).
+        [stored] = rows(p, "select * from media_cost_event where task_id = %s and kind = 'STORAGE'", ref.task_id)
+        m = p.config.media
+        assert stored["tags"]["retention_class"] == pipeline.retention_class(task(p, ref)) == "final"
+        assert stored["amount"] == storage_cost.lifetime_cost(
+            stored["tags"]["bytes"], "final", storage_cost.StoragePrices.of(m), m.storage_horizon_months).quantize(QUANTUM)
         with p.db.connection() as conn:
             doc = views.get_task(conn, ref.tenant_id, ref.task_id, platform=p)
         assert {o["asset_type"] for o in doc["outputs"]} == {"proxy", "thumbnail", "delivery"}

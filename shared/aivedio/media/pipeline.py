@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aivedio import tasks
 from aivedio.errors import DomainError
+from aivedio.media import storage_cost
 from aivedio.metrics_catalog import TASKS_FINISHED
 from aivedio.observability import logger, publish
 from aivedio.scheduling.resources import (
@@ -478,7 +479,7 @@ def complete(conn: psycopg.Connection, result: dict, *, now: datetime, platform)
             logger.error("media result broke its contract", extra={**log, "problem": problem})
     if status == "ok":
         _store_outputs(conn, job, outputs)
-        _record_storage_cost(platform, conn, job, res, outputs, now)
+        _record_storage_cost(platform, conn, task, job, res, outputs, now)
         _set_job(conn, job, now, state="SUCCEEDED", result=result, error_code=None, finished_at=now, lease_until=None)
         _end(conn, task, job, "SUCCEEDED", stage="PROVIDER_SUCCEEDED", error_code=None, message=None, now=now)
         logger.info("media job succeeded", extra={**log, "assets": [o.asset_type for o, _ in outputs],
@@ -573,20 +574,20 @@ def _record_transcode_cost(platform, conn: psycopg.Connection, job: dict, res: M
                                          tags={"transcode_seconds": res.transcode_seconds, "units": units})])
 
 
-def _record_storage_cost(platform, conn: psycopg.Connection, job: dict, res: MediaResult,
+def _record_storage_cost(platform, conn: psycopg.Connection, task: dict, job: dict, res: MediaResult,
                          outputs: list[tuple[_Output, str]], now: datetime) -> None:
-    """The stored outputs' first month, booked once per output version when they are stored. Not in
-    AWS: there the media bucket's storage is imported from the Cost and Usage Report, attributed by
-    the objects' task tags (aivedio.spend.media_costs), and booking it here too would count it twice."""
-    if platform.settings.media_bucket:
-        return
+    """The stored outputs' whole storage life (aivedio.media.storage_cost), booked once per output
+    version when they are stored, in AWS as locally: the Cost and Usage Report bills the media bucket
+    as a whole (cost allocation reads the bucket's tags, never an object's), and is checked monthly
+    against the same model."""
     m = platform.config.media
     stored = res.bytes_stored or sum(o.bytes for o, _ in outputs)
     if stored <= 0:
         return
-    amount = Decimal(stored) / Decimal(10 ** 9) * _decimal(m.storage_cost_per_gb_month)
+    rc = retention_class(task)
+    amount = storage_cost.lifetime_cost(stored, rc, storage_cost.StoragePrices.of(m), m.storage_horizon_months)
     record_media_costs(conn, [_cost_line(job, source="storage", kind="STORAGE", amount=amount, currency=m.cost_currency,
-                                         now=now, tags={"bytes": stored, "months": 1})])
+                                         now=now, tags={"bytes": stored, "retention_class": rc})])
 
 
 def _set_job(conn: psycopg.Connection, job: dict, now: datetime, **fields: Any) -> None:

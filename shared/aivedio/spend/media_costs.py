@@ -5,8 +5,14 @@ aggregates them, never one per playback ("媒体成本不应在每次播放请�
 
 - A line's kind comes from USAGE_KINDS (its product code and usage type). A line no rule maps and
   that carries no aivedio tag is not a media cost: counted as NOT_MEDIA, nothing more.
-- It is attributed by the resource tags the platform puts on its objects and jobs: the tenant
+- It is attributed by the resource tags the platform puts on its resources and jobs: the tenant
   (required), the task and the project (optional).
+- The media bucket's storage is the exception: AWS allocates it by the bucket's tags, never an
+  object's, so its lines carry the bucket's `aivedio:cost-scope = media-storage` and no tenant. They
+  are kept apart in bucket_storage_cost (each task's storage is booked by the platform itself,
+  aivedio.media.storage_cost, so recording them as media costs would count the bucket twice), and
+  the months they fall in are returned for the monthly check (`aivedio admin media-costs
+  check-storage`, which the import command runs for them).
 - It is recorded once, under its line item id and usage start (the id repeats across the hours of
   one report), so a re-import adds nothing. AWS does not keep line item ids across restated reports
   of the same period: import each period's final report once.
@@ -22,7 +28,7 @@ import hashlib
 import io
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from decimal import Decimal, InvalidOperation
 from itertools import islice
 from pathlib import Path
@@ -30,6 +36,7 @@ from typing import Iterable, TextIO
 from uuid import UUID
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 from aivedio import audit
 from aivedio.errors import InvalidRequest
@@ -45,6 +52,9 @@ COST = "lineItem/UnblendedCost"
 CURRENCY = "lineItem/CurrencyCode"
 TAG_PREFIX = "resourceTags/user:aivedio:"
 TAG_TENANT, TAG_TASK, TAG_PROJECT = f"{TAG_PREFIX}tenant_id", f"{TAG_PREFIX}task_id", f"{TAG_PREFIX}project"
+COST_SCOPE_TAG = "aivedio:cost-scope"  # on the media bucket (infra_cdk/data.py), as a cost allocation tag
+TAG_SCOPE = f"resourceTags/user:{COST_SCOPE_TAG}"
+BUCKET_SCOPE = "media-storage"
 REQUIRED_COLUMNS = (LINE_ITEM_ID, USAGE_START, PRODUCT_CODE, USAGE_TYPE, COST, CURRENCY, TAG_TENANT)
 
 # How a cost line becomes a media cost kind, in one place: the first rule whose product code is the
@@ -85,6 +95,9 @@ class ImportResult:
     already_recorded: int = 0
     not_media: int = 0
     parked_new: int = 0
+    bucket_storage_recorded: int = 0
+    bucket_storage_already_recorded: int = 0
+    bucket_storage_months: set = field(default_factory=set)
     recorded_cost: dict[str, dict[str, Decimal]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(Decimal)))
     unattributed_by_reason: Counter = field(default_factory=Counter)
     unattributed_lines: list[dict] = field(default_factory=list)
@@ -96,7 +109,10 @@ class ImportResult:
                                   for cur, kinds in sorted(self.recorded_cost.items())},
                 "unattributed": sum(self.unattributed_by_reason.values()),
                 "unattributed_by_reason": dict(sorted(self.unattributed_by_reason.items())),
-                "unattributed_lines": self.unattributed_lines, "parked_new": self.parked_new}
+                "unattributed_lines": self.unattributed_lines, "parked_new": self.parked_new,
+                "bucket_storage": {"recorded": self.bucket_storage_recorded,
+                                   "already_recorded": self.bucket_storage_already_recorded,
+                                   "months": sorted(m.isoformat() for m in self.bucket_storage_months)}}
 
 
 def kind_of(product_code: str, usage_type: str) -> str | None:
@@ -111,6 +127,7 @@ class _Line:
     row: int  # 1-based, among the data rows
     raw: dict[str, str]
     cost: MediaCost | None = None
+    bucket: dict | None = None  # a line of the media bucket's storage as a whole (bucket_storage_cost)
     reason: str | None = None
     detail: str = ""
 
@@ -142,6 +159,7 @@ def _import_chunk(conn: psycopg.Connection, chunk: list[_Line], currencies: froz
     for line in chunk:
         _parse(line, currencies)
     _check_owners(conn, [line for line in chunk if line.cost is not None])
+    _record_bucket_lines(conn, [line.bucket for line in chunk if line.bucket is not None], result)
     costs = [line.cost for line in chunk if line.cost is not None]
     new = record_media_costs(conn, costs)
     for m in costs:
@@ -180,6 +198,11 @@ def _parse(line: _Line, currencies: frozenset[str]) -> None:
         return _refuse(line, "BAD_AMOUNT", repr(raw[COST]))
     if raw[CURRENCY] not in currencies:
         return _refuse(line, "UNKNOWN_CURRENCY", repr(raw[CURRENCY]))
+    if kind == "STORAGE" and raw.get(TAG_SCOPE) == BUCKET_SCOPE and not raw[TAG_TENANT]:
+        line.bucket = {"source_key": f"{SOURCE}:{raw[LINE_ITEM_ID]}:{start.isoformat()}",
+                       "month": start.astimezone(timezone.utc).date().replace(day=1), "usage_type": raw[USAGE_TYPE],
+                       "amount": amount.quantize(QUANTUM), "currency": raw[CURRENCY], "line": Jsonb(raw)}
+        return None
     if not raw[TAG_TENANT]:
         return _refuse(line, "NO_TENANT_TAG")
     tenant_id, task_id = _uuid(raw[TAG_TENANT]), _uuid(raw.get(TAG_TASK, ""))
@@ -191,6 +214,23 @@ def _parse(line: _Line, currencies: frozenset[str]) -> None:
         source_key=f"{SOURCE}:{raw[LINE_ITEM_ID]}:{start.isoformat()}", kind=kind, amount=amount.quantize(QUANTUM),
         currency=raw[CURRENCY], occurred_at=start, tenant_id=tenant_id, task_id=task_id, project_id=raw.get(TAG_PROJECT) or None,
         tags={**tags, "product_code": raw[PRODUCT_CODE], "usage_type": raw[USAGE_TYPE], "line_item_id": raw[LINE_ITEM_ID]})
+
+
+RECORD_BUCKET_LINE = """
+insert into bucket_storage_cost (source_key, usage_month, usage_type, amount, currency, line)
+values (%(source_key)s, %(month)s, %(usage_type)s, %(amount)s, %(currency)s, %(line)s)
+on conflict (source_key) do nothing returning source_key"""
+
+
+def _record_bucket_lines(conn: psycopg.Connection, lines: list[dict], result: ImportResult) -> None:
+    with conn.cursor() as cur:
+        for line in lines:
+            cur.execute(RECORD_BUCKET_LINE, line)
+            if cur.fetchone() is None:
+                result.bucket_storage_already_recorded += 1
+            else:
+                result.bucket_storage_recorded += 1
+            result.bucket_storage_months.add(line["month"])
 
 
 def _check_owners(conn: psycopg.Connection, lines: list[_Line]) -> None:

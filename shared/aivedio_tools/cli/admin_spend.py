@@ -2,10 +2,12 @@
 the platform pays providers and media, and the billing input parked for reconciliation."""
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+import argparse
+from datetime import date, datetime, timedelta
 from decimal import Decimal
 from uuid import UUID
 
+from aivedio.media import storage_cost
 from aivedio.spend import parked
 from aivedio.spend.budgets import SCOPES, set_budget, status
 from aivedio.spend.costs import cost_report
@@ -34,8 +36,24 @@ def _costs_report(args) -> int:
 
 
 def _media_costs_import(args) -> int:
-    return run(args, lambda p, c: import_cur(c, operator=operator(args), path=args.file,
-                                             currencies=p.config.billing.media_cost_currencies))
+    """The import, then the storage check of every month it brought bucket storage lines for."""
+    def fn(p, c):
+        doc = import_cur(c, operator=operator(args), path=args.file, currencies=p.config.billing.media_cost_currencies)
+        doc["storage_checks"] = [storage_cost.check_month(c, date.fromisoformat(m), p.config.media)
+                                 for m in doc["bucket_storage"]["months"]]
+        return doc
+    return run(args, fn)
+
+
+def _month(value: str) -> date:
+    try:
+        return datetime.strptime(value, "%Y-%m").date()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: a month as YYYY-MM") from None
+
+
+def _media_costs_check_storage(args) -> int:
+    return run(args, lambda p, c: storage_cost.check_month(c, args.month, p.config.media))
 
 
 def _parked_list(args) -> int:
@@ -72,6 +90,11 @@ def register(admin) -> None:
                                                     "once per line"))
     mi.add_argument("--file", required=True, help="the cost-and-usage report: CSV, or gzip of it")
     mi.set_defaults(fn=_media_costs_import)
+    mc = add_common(media.add_parser("check-storage", help="the media bucket's billed storage for a month (imported "
+                                                           "CUR lines) against what the platform expects; a "
+                                                           "mismatch is parked"))
+    mc.add_argument("--month", required=True, type=_month, help="the usage month, YYYY-MM (UTC)")
+    mc.set_defaults(fn=_media_costs_check_storage)
 
     pk = admin.add_parser("parked", help="billing input parked for reconciliation").add_subparsers(
         dest="parked_command", required=True)
