@@ -53,8 +53,11 @@ def waf_block(rule: str) -> wafv2.CfnWebACL.RuleActionProperty:
     """A WAF rule's block, answered in the API's error shape (its body under the rule's name in
     the ACL's custom_response_bodies)."""
     error = gateway_errors.WAF_BLOCKS[rule]
+    headers = ([wafv2.CfnWebACL.CustomHTTPHeaderProperty(name="Retry-After", value=str(error.retry_after_seconds))]
+               if error.retry_after_seconds is not None else None)  # as the gateway's own 429 says when to come back
     return wafv2.CfnWebACL.RuleActionProperty(block=wafv2.CfnWebACL.BlockActionProperty(
-        custom_response=wafv2.CfnWebACL.CustomResponseProperty(response_code=error.status, custom_response_body_key=rule)))
+        custom_response=wafv2.CfnWebACL.CustomResponseProperty(response_code=error.status, custom_response_body_key=rule,
+                                                               response_headers=headers)))
 
 
 def waf_response_bodies() -> dict[str, wafv2.CfnWebACL.CustomResponseBodyProperty]:

@@ -175,12 +175,15 @@ class Observability(Construct):
     @staticmethod
     def _money_risk_alarms(stage: StageConfig, alarm) -> list[cw.Alarm]:
         """The signals that money or a tenant's work is at risk, each paging the topic."""
-        made = [alarm("manual-review-open", metric(mc.MANUAL_REVIEW_OPEN), threshold=0, periods=1,
+        # These are gauges published by schedules (a minute apart that drift) or on a change only, so a
+        # period without a datapoint keeps the alarm as it was rather than reading as "all clear".
+        keep = cw.TreatMissingData.IGNORE
+        made = [alarm("manual-review-open", metric(mc.MANUAL_REVIEW_OPEN), threshold=0, periods=1, missing=keep,
                       description="tasks wait in MANUAL_REVIEW (their job may run, and be billed, unseen): "
                                   "`aivedio admin review list`, then `aivedio admin review resolve`")]
         for mode in degraded.MODES:
             made.append(alarm(f"degraded-{mode.replace('_', '-')}", metric(mc.DEGRADED_MODE, mode=mode), threshold=0,
-                              periods=1, description=f"degraded mode {mode} is active (see /healthz and "
+                              periods=1, missing=keep, description=f"degraded mode {mode} is active (see /healthz and "
                                                      f"docs/operations.md, degraded modes)"))
         restrict = BillingConfig().budget_restrict_pct
         five = Duration.minutes(5)
@@ -191,8 +194,9 @@ class Observability(Construct):
             period=five, using_metrics=at_restrict), threshold=0, periods=1,
             description=f"a budget reached {restrict} % of its limit: costly and low-priority work of its scope "
                         f"now waits (`aivedio admin budget status`)"))
-        made.append(alarm("unreconciled-cost", metric(mc.UNRECONCILED_COST).with_(period=Duration.minutes(15)),
-                          threshold=stage.unreconciled_cost_alarm_usd, periods=4,
+        # The invoice service publishes it once an hour: one two-hour period always holds a datapoint.
+        made.append(alarm("unreconciled-cost", metric(mc.UNRECONCILED_COST).with_(period=Duration.hours(2)),
+                          threshold=stage.unreconciled_cost_alarm_usd, periods=1, missing=keep,
                           description=f"provider cost not matched to an invoice line above "
                                       f"{stage.unreconciled_cost_alarm_usd} USD for an hour: the daily reconciliation "
                                       f"is behind or found breaks (`aivedio reconcile invoices --provider P --date D`)"))

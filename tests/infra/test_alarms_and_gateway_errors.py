@@ -20,6 +20,7 @@ import json
 from aivedio import degraded, gateway_errors
 from aivedio import metrics_catalog as mc
 from aivedio.config import BillingConfig
+from aivedio.spend import invoices
 from infra_cdk.observability import BUDGET_SCOPES
 from infra_cdk.stages import STAGES as STAGE_CONFIGS
 
@@ -33,9 +34,11 @@ def _topic(synth, stage) -> dict:
     return {"Ref": topic_id}
 
 
-def _pages(synth, stage, a: dict) -> None:
+def _pages(synth, stage, a: dict, missing: str = "ignore") -> None:
+    """Pages the topic both ways. A gauge published by a schedule or on a change keeps its state
+    through a period without a datapoint ("ignore"): read as "all clear", a late minute would page OK."""
     assert a["AlarmActions"] == [_topic(synth, stage)] and a["OKActions"] == [_topic(synth, stage)]
-    assert a["ComparisonOperator"] == "GreaterThanThreshold" and a["TreatMissingData"] == "notBreaching"
+    assert a["ComparisonOperator"] == "GreaterThanThreshold" and a["TreatMissingData"] == missing
 
 
 def _dims(a: dict) -> dict[str, str]:
@@ -67,10 +70,12 @@ def test_money_risk_alarms_watch_what_the_platform_publishes_and_page(synth, sta
     assert sorted(_dims(w)["scope"] for w in watched) == sorted(BUDGET_SCOPES)
     assert {_dims(w)["level"] for w in watched} == {str(restrict)}  # spend.budgets publishes level=str(pct)
     assert all(f"FILL({m['Id']}, 0)" in expr for m in metrics.values() if "MetricStat" in m)
-    _pages(synth, stage, budget)
+    _pages(synth, stage, budget, "notBreaching")  # FILL(…, 0): no alert published is no budget at the level
 
     cost = alarms[f"{prefix}-unreconciled-cost"]
     assert (cost["MetricName"], cost["Threshold"]) == (mc.UNRECONCILED_COST.name, STAGE_CONFIGS[stage].unreconciled_cost_alarm_usd)
+    # Published once a run of the invoice service: every period it evaluates holds a datapoint.
+    assert cost["Period"] * cost["EvaluationPeriods"] >= 2 * invoices.DEFAULTS.interval_seconds and cost["EvaluationPeriods"] == 1
     _pages(synth, stage, cost)
 
     [dash] = synth.resources(stage, "App", "AWS::CloudWatch::Dashboard").values()
@@ -119,4 +124,7 @@ def test_the_wafs_blocks_answer_in_the_error_shape(synth, stage):
         assert custom["ResponseCode"] == error.status and custom["CustomResponseBodyKey"] == rule
         assert bodies[rule]["ContentType"] == "APPLICATION_JSON"
         assert json.loads(bodies[rule]["Content"]) == gateway_errors.body(error)
+        want = [] if error.retry_after_seconds is None else [{"Name": "Retry-After", "Value": str(error.retry_after_seconds)}]
+        assert custom.get("ResponseHeaders", []) == want, rule
+    assert gateway_errors.WAF_BLOCKS["rate-per-ip"].retry_after_seconds  # the per-address block says when to come back
     assert gateway_errors.WAF_BLOCKS["body-size"].code == "PAYLOAD_TOO_LARGE"  # the handler's own 413 code

@@ -21,14 +21,14 @@ import uuid
 
 import pytest
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException
+from redis.exceptions import ClusterCrossSlotError, ClusterDownError, ClusterError, RedisClusterException, SlotNotCoveredError
 
 from aivedio import wakeups
 from aivedio.admission.rate_limits import take_all
 from aivedio.cache.client import Cache, CacheUnavailable, is_serverless_endpoint
 from aivedio.context import set_platform
 from aivedio.scheduling.ring import Ring
-from aivedio_tools.chaos.redis_server import LocalRedisCluster
+from aivedio_tools.chaos.redis_server import LocalRedisCluster, RedisServer
 from aivedio_tools.local.apigw import to_event
 from aivedio_tools.local.lambda_context import FakeLambdaContext
 from tests.admission_support import BODY, new_tenant
@@ -65,6 +65,43 @@ def test_an_elasticache_serverless_host_is_a_cluster_without_asking():
     assert is_serverless_endpoint("rediss://dev-redis-abc123.serverless.use1.cache.amazonaws.com:6379/0")
     assert not is_serverless_endpoint("rediss://master.dev-redis.abc123.use1.cache.amazonaws.com:6379/0")
     assert not is_serverless_endpoint("redis://127.0.0.1:6379/0")
+
+
+def test_a_read_only_replica_is_an_outage_not_a_bug(tmp_path):
+    """A failover leaves a client on a node that became a replica: its READONLY reply reaches us as
+    redis-py's ReadOnlyError, whose text lacks the word, so it is told by its class."""
+    replica = RedisServer(tmp_path / "replica", extra_args=("--replicaof", "127.0.0.1", "1")).start()
+    c = Cache(replica.url, "t-ro")
+    try:
+        with pytest.raises(CacheUnavailable):
+            c.run(lambda: c.r.set(c.key("k"), 1))
+    finally:
+        c.close()
+        replica.stop()
+
+
+@pytest.mark.parametrize("raised", [ClusterError("TTL exhausted."), SlotNotCoveredError("slot 7 is not covered"),
+                                    ClusterDownError("CLUSTERDOWN The cluster is down")])
+def test_what_redis_py_raises_when_a_cluster_is_failing_over_is_an_outage(raised):
+    """What redis-py raises once its own retries of TRYAGAIN or MOVED run out, or while slots are
+    not covered: the cluster is moving, not the code wrong."""
+    c = Cache("redis://127.0.0.1:1/0", "t-classes")
+
+    def fail():
+        raise raised
+
+    with pytest.raises(CacheUnavailable):
+        c.run(fail)
+
+
+def test_a_slot_mistake_stays_the_bug_it_is():
+    c = Cache("redis://127.0.0.1:1/0", "t-classes")
+
+    def fail():
+        raise ClusterCrossSlotError("Keys in request don't hash to the same slot")
+
+    with pytest.raises(ClusterCrossSlotError):
+        c.run(fail)
 
 
 def test_a_cluster_that_does_not_answer_is_unavailable_until_it_does(tmp_path):

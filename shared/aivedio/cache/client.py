@@ -15,7 +15,17 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import ClusterDownError, MasterDownError, NoScriptError, RedisClusterException, RedisError, TryAgainError
+from redis.exceptions import (
+    ClusterDownError,
+    ClusterError,
+    MasterDownError,
+    NoScriptError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -26,7 +36,11 @@ SOCKET_TIMEOUT_SECONDS = 0.5  # a Redis that answers slower than this is treated
 SERVERLESS_HOST_SUFFIX = ".cache.amazonaws.com"  # with ".serverless." in the name: ElastiCache Serverless
 UNREACHABLE_CLUSTER = "cannot be connected"  # redis-py's RedisClusterException when no node answers
 # A cluster that answers but cannot serve now (no quorum, a failover under way): an outage, not a bug.
-CLUSTER_OUTAGES = (ClusterDownError, TryAgainError, MasterDownError)
+# Outages by class, not by message (redis-py strips the reply's prefix: a READONLY reply is a
+# ReadOnlyError whose text lacks the word). ClusterError is also what redis-py raises once its
+# retries of TRYAGAIN or MOVED run out ("TTL exhausted"); a slot mistake (CROSSSLOT) is a
+# ResponseError, not one of these, and stays the bug it is.
+CLUSTER_OUTAGES = (ClusterDownError, TryAgainError, MasterDownError, ClusterError, ReadOnlyError, SlotNotCoveredError)
 
 
 class CacheUnavailable(Exception):

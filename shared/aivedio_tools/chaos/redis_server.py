@@ -111,11 +111,15 @@ CLUSTER_SLOTS = 16384
 CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + 10000 (the cluster bus)
 
 
-def free_cluster_port(low: int = 20000, high: int = 55535) -> int:
-    """A free port whose cluster bus port (+10000) is free too; kept at or below 55535, so the bus
-    port stays a valid one (the ephemeral ports free_port hands out may not)."""
+def free_cluster_port(low: int = 10000, high: int = 22767, taken: set[int] = frozenset()) -> int:
+    """A free port whose cluster bus port (+10000) is free too, both below the kernel's ephemeral
+    range (32768 and up by default), so no outgoing connection takes one between this check and
+    the node's bind, and neither among `taken` (the ports, bus ports included, of the cluster's
+    other nodes, which are not listening yet)."""
     for _ in range(200):
         port = random.randint(low, high)
+        if {port, port + CLUSTER_BUS_OFFSET} & set(taken):
+            continue
         try:
             with socket.socket() as a, socket.socket() as b:
                 a.bind(("127.0.0.1", port))
@@ -133,9 +137,12 @@ class LocalRedisCluster:
     def __init__(self, workdir: Path, nodes: int = 3):
         self.workdir = Path(workdir)
         self.servers = []
+        taken: set[int] = set()
         for i in range(nodes):
             node_dir = self.workdir / f"node{i}"
-            self.servers.append(RedisServer(node_dir, port=free_cluster_port(), extra_args=(
+            port = free_cluster_port(taken=taken)
+            taken |= {port, port + CLUSTER_BUS_OFFSET}
+            self.servers.append(RedisServer(node_dir, port=port, extra_args=(
                 "--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
                 "--cluster-node-timeout", "2000")))
 
