@@ -264,6 +264,10 @@ class Timers(_Strict):
     attempt_recovery_seconds: float = Field(default=15.0, gt=0)  # how often expired attempt leases are looked for
     # How long an admission answer is replayed for its Idempotency-Key (at least 24 h).
     idempotency_ttl_seconds: float = Field(default=86400.0, ge=86400.0)
+    # How long a provider's webhook id is remembered against a redelivery (webhook_receipt), and a
+    # parked webhook kept once applied; then the idempotency purge deletes them. Longer than any
+    # provider's redelivery schedule (Standard Webhooks senders retry for days, not weeks).
+    webhook_receipt_ttl_seconds: float = Field(default=30 * 86400.0, ge=86400.0)
     # How long an unfinished request holds its key before the next request with it takes over.
     idempotency_lock_seconds: float = Field(default=30.0, gt=0)
     # Window a lane's throughput (expected waits) is measured over; six of them for provider stats.

@@ -294,7 +294,8 @@ def test_sign_in_sets_an_httponly_strict_cookie_and_logout_ends_the_session(plat
     json_session = {"Cookie": r.headers["set-cookie"].split(";", 1)[0]}
     assert session != json_session  # each sign-in is its own session
 
-    for bad in ({"data": {"token": "avop_wrong"}}, {"data": {}}, {"json": {"token": "avop_wrong"}}, {"json": ["x"]}):
+    deep = {"content": "[" * 30_000 + "]" * 30_000, "headers": {"Content-Type": "application/json"}}  # past json's depth
+    for bad in ({"data": {"token": "avop_wrong"}}, {"data": {}}, {"json": {"token": "avop_wrong"}}, {"json": ["x"]}, deep):
         r = http.post("/dashboard/session", **bad)
         assert r.status_code == 401 and "set-cookie" not in r.headers, bad
     r = http.post("/dashboard/session", data={"token": "avop_wrong"})

@@ -15,7 +15,7 @@ import functools
 import json
 import threading
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -247,3 +247,33 @@ def test_the_scheduled_purge_handler(make_platform, conn):
         set_platform(None)
     assert out["service"] == "idempotency-purge" and out["repaired"] >= 1 and out["complete"] is True
     assert record(conn, t.tenant_id, "to-purge") is None
+
+
+def test_webhook_receipts_and_applied_parked_webhooks_are_purged_after_their_window(make_platform, conn):
+    """The receipts and the applied parked webhooks do not grow forever; a webhook still PARKED (its
+    job never mapped) is evidence for invoice reconciliation and stays, whatever its age."""
+    from psycopg.types.json import Jsonb
+
+    clock = ManualClock(datetime.now(timezone.utc))
+    p = make_platform(clock=clock)
+    ttl = timedelta(seconds=p.config.timers.webhook_receipt_ttl_seconds)
+    now, tag = clock.now(), uuid.uuid4().hex[:8]
+    old, young = now - ttl - timedelta(hours=1), now - ttl + timedelta(hours=1)
+    for i, at in enumerate([old, old, old, young]):
+        conn.execute("insert into webhook_receipt (provider, webhook_id, received_at) values (%s, %s, %s)",
+                     (f"p-{tag}", f"w-{i}", at))
+    for wid, state, done in [("applied-old", "APPLIED", old), ("dup-old", "DUPLICATE", old), ("stale-young", "STALE", young),
+                             ("parked-old", "PARKED", None)]:
+        conn.execute("""insert into parked_webhook (provider, webhook_id, provider_job_id, event_type, body, received_at, state, done_at)
+                        values (%s, %s, 'job', 'job.succeeded', %s, %s, %s, %s)""",
+                     (f"p-{tag}", wid, Jsonb({"type": "job.succeeded"}), old - timedelta(days=30), state, done))
+
+    report = idempotency_purge.run_once(p, batch_size=2)
+    assert (report.receipts_deleted, report.parked_webhooks_deleted, report.complete) == (3, 2, True)
+    assert [r["webhook_id"] for r in conn.execute(
+        "select webhook_id from webhook_receipt where provider = %s", (f"p-{tag}",))] == ["w-3"]
+    assert sorted(r["webhook_id"] for r in conn.execute(
+        "select webhook_id from parked_webhook where provider = %s", (f"p-{tag}",))) == ["parked-old", "stale-young"]
+    again = idempotency_purge.run_once(p, batch_size=2)
+    assert (again.receipts_deleted, again.parked_webhooks_deleted) == (0, 0)
+    assert again.as_report().details == {"idempotency_records": again.deleted, "webhook_receipts": 0, "parked_webhooks": 0}

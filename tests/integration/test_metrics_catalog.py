@@ -101,6 +101,11 @@ def test_prometheus_names_follow_the_conventions():
     assert prometheus.prometheus_name(mc.SUBMIT_UNKNOWN_RESOLVED) == "aivedio_submit_unknown_resolved"
     assert prometheus.metrics_response("/v1/tasks") is None
     assert prometheus.metrics_response("/metrics", "192.168.1.20")[0] == 403
+    # A loopback client asking for another site's name: a page rebound to 127.0.0.1 (DNS rebinding).
+    for host in ("evil.example", "evil.example:8080", "127.0.0.1.evil.example", "[2001:db8::1]:80"):
+        assert prometheus.metrics_response("/metrics", "127.0.0.1", host)[0] == 403, host
+    for host in ("localhost:8080", "127.0.0.1:8080", "[::1]:8080", "LOCALHOST", None):
+        assert prometheus.metrics_response("/metrics", "127.0.0.1", host)[0] == 200, host
 
 
 def _scrape(url: str) -> dict[str, dict]:

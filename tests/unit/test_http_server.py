@@ -94,6 +94,21 @@ def test_chunked_body(server):
     assert doc["body"] == '{"a":1}'
 
 
+@pytest.mark.parametrize("size", [b"-1", b"+5", b"0x10", b"1_0", b" ", b"123456789"])
+def test_a_chunk_size_that_is_not_plain_hex_is_400(server, size):
+    """A size of -1 used to read to the end of the stream, past the body cap."""
+    host, port = server.server_address[:2]
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(b"POST /chunked HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + size + b"\r\nabcde\r\n0\r\n\r\n")
+        s.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert json.loads(body)["error"] == "BAD_REQUEST"
+
+
 def test_body_over_10_mib_is_413(server):
     host, port = server.server_address[:2]
     with socket.create_connection((host, port), timeout=10) as s:

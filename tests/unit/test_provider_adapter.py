@@ -91,6 +91,20 @@ def test_a_malformed_2xx_is_unknown(status, body):
     assert isinstance(out, Unknown) and out.reason == "malformed_response" and out.kind == "UNKNOWN"
 
 
+DEEP = b"[" * 30_000 + b"]" * 30_000  # JSON nested past the parser's depth: a RecursionError, not a ValueError
+
+
+def test_a_body_nested_past_the_parsers_depth_is_malformed_not_a_crash():
+    out = submit(answer(201, raw=DEEP))
+    assert isinstance(out, Unknown) and out.reason == "malformed_response"
+    out = submit(answer(422, raw=DEEP))
+    assert isinstance(out, RejectedFinal) and out.code == "HTTP_422"
+    with adapter(routes({"/v1/jobs/job_1": (200, DEEP)})) as a:
+        with pytest.raises(ProviderError) as e:
+            a.get("a1", "job_1")
+    assert e.value.reason == "malformed_response"
+
+
 @pytest.mark.parametrize("header, expected", [("3", 3.0), ("0", 0.0), ("1.5", 1.5), ("-4", 0.0), (None, None),
                                               ("soon", None), ("nan", None)])
 def test_429_is_retryable_with_retry_after(header, expected):

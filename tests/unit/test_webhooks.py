@@ -104,7 +104,7 @@ def test_a_missing_header_is_refused(missing):
     assert not verify_webhook(SECRET, h, BODY, now=NOW)
 
 
-@pytest.mark.parametrize("ts", ["", "abc", "1.5", "-1", " 1700000000", "１７００"])
+@pytest.mark.parametrize("ts", ["", "abc", "1.5", "-1", " 1700000000", "１７００", "1" * 5000, "0" * 13])
 def test_a_malformed_timestamp_is_refused(ts):
     h = {**signed(), "webhook-timestamp": ts}
     assert not verify_webhook(SECRET, h, BODY, now=NOW)

@@ -184,7 +184,7 @@ def _posted_token() -> tuple[str | None, bool]:
     if media_type == "application/json":
         try:
             doc = json.loads(body or "{}")
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth, before sign-in
             return None, True
         value = doc.get(TOKEN_FIELD) if isinstance(doc, dict) else None
         return (value.strip() if isinstance(value, str) and value.strip() else None), True

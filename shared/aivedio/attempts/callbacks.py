@@ -81,6 +81,8 @@ def receive(platform, provider: str, headers: Mapping[str, str], body: bytes | s
         job = parse_job(doc.get("data"))
     except (ValueError, MalformedDocument) as e:
         raise InvalidRequest("malformed webhook body", {"body": str(e)}) from None
+    except RecursionError:
+        raise InvalidRequest("malformed webhook body", {"body": "JSON nested too deeply"}) from None
 
     def tx(conn) -> CallbackResult | tuple[str, dict | None]:
         if not safeguards.broken("webhook-dedupe"):

@@ -273,7 +273,7 @@ def _from_cursor(cursor: str | None) -> int | None:
         if type(v) is not int:
             raise ValueError
         return v
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise InvalidRequest("invalid cursor", {"cursor": "a next_cursor this API returned"}) from None
 
 

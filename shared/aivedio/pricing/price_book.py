@@ -248,7 +248,7 @@ def list_price_versions(conn: psycopg.Connection, *, product_code: str | None = 
         try:
             raw = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
             before_from, before_id = datetime.fromisoformat(raw["f"]), str(UUID(raw["id"]))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise InvalidRequest("invalid cursor", {"cursor": "a next_cursor this API returned"}) from None
     rows = conn.execute(LIST_VERSIONS, {"p": product_code, "before_from": before_from, "before_id": before_id,
                                         "limit": limit + 1}).fetchall()

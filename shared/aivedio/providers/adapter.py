@@ -376,7 +376,7 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
 def _error_code(body: str, status: int) -> str:
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a body nested past the parser's depth
         return f"HTTP_{status}"
     if isinstance(doc, dict):
         err = doc.get("error")
@@ -403,7 +403,7 @@ class _Exchange:
             raise MalformedDocument("no body")
         try:
             return json.loads(self.body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: a body nested past the parser's depth
             raise MalformedDocument("body is not JSON") from None
 
 

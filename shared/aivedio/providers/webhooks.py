@@ -20,6 +20,7 @@ from typing import Union
 SECRET_PREFIX = "whsec_"
 DEFAULT_TOLERANCE_SECONDS = 300  # Standard Webhooks' recommended five minutes
 MAX_SIGNATURES = 16  # more than this in one header is refused rather than tried
+MAX_TIMESTAMP_DIGITS = 12  # webhook-timestamp, Unix seconds
 
 Headers = Union[Mapping[str, str], Iterable[tuple[str, str]]]
 
@@ -80,7 +81,9 @@ def verify_webhook(secret: str, headers: Headers, body: bytes | str, now: dateti
     as received: re-serialised JSON would not match."""
     h = _lower(headers)
     msg_id, ts_raw, sig_header = h.get("webhook-id", ""), h.get("webhook-timestamp", ""), h.get("webhook-signature", "")
-    if not msg_id or not sig_header or not ts_raw.isascii() or not ts_raw.isdigit():
+    # At most 12 digits (Unix seconds until the year 33658): int() of a longer one is slow, and past
+    # sys.get_int_max_str_digits() a ValueError, an unauthenticated 500.
+    if not msg_id or not sig_header or not ts_raw.isascii() or not ts_raw.isdigit() or len(ts_raw) > MAX_TIMESTAMP_DIGITS:
         return False
     timestamp = int(ts_raw)
     if abs(_epoch(now) - timestamp) > tolerance_seconds:

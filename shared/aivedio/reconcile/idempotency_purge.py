@@ -12,6 +12,13 @@ the statement reads expires_at against the same clock admission writes it with.
 The key itself stays spent after its record is gone: its task keeps the key (one task per key), and
 admission answers a reuse with IDEMPOTENCY_KEY_REUSED.
 
+The same run purges the other idempotency records the platform keeps, which would otherwise grow
+forever: a provider's webhook receipts (webhook_receipt: each webhook id received, so a redelivery
+is answered as a duplicate) once older than `timers.webhook_receipt_ttl_seconds`, longer than any
+provider redelivers, and the parked webhooks that were applied, found duplicate or stale that long
+ago. A webhook still PARKED (its job never mapped) is never purged: it is evidence for the
+invoice's reconciliation. Each table in batches of its own, counted apart.
+
 Runs on the `idempotency-purge` schedule (aivedio.events_routing.SCHEDULES): an EventBridge rule in
 AWS, a loop under `aivedio serve`."""
 from __future__ import annotations
@@ -37,17 +44,43 @@ delete from idempotency_record r
 """
 
 
+PURGE_RECEIPTS = """
+delete from webhook_receipt r
+ using (select provider, webhook_id from webhook_receipt
+         where received_at < %(before)s
+         order by received_at
+         limit %(limit)s
+           for update skip locked) due
+ where r.provider = due.provider and r.webhook_id = due.webhook_id
+"""
+# Applied, duplicate or stale: done with. A PARKED one stays (its job was never mapped).
+PURGE_PARKED_DONE = """
+delete from parked_webhook p
+ using (select provider, webhook_id from parked_webhook
+         where state <> 'PARKED' and done_at < %(before)s
+         order by done_at
+         limit %(limit)s
+           for update skip locked) due
+ where p.provider = due.provider and p.webhook_id = due.webhook_id
+"""
+
+
 @dataclass(frozen=True)
 class PurgeReport:
     deleted: int
     batches: int
-    complete: bool  # the last batch was short: nothing more was due at `now`
+    complete: bool  # the last batch was short: nothing more was due at `now` (of every table)
+    receipts_deleted: int = 0
+    parked_webhooks_deleted: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def as_report(self) -> Report:
-        return Report(NAME, examined=self.deleted, repaired=self.deleted, batches=self.batches, complete=self.complete)
+        gone = self.deleted + self.receipts_deleted + self.parked_webhooks_deleted
+        return Report(NAME, examined=gone, repaired=gone, batches=self.batches, complete=self.complete,
+                      details={"idempotency_records": self.deleted, "webhook_receipts": self.receipts_deleted,
+                               "parked_webhooks": self.parked_webhooks_deleted})
 
 
 def purge_batch(conn, *, now: datetime, limit: int) -> int:
@@ -55,22 +88,30 @@ def purge_batch(conn, *, now: datetime, limit: int) -> int:
     return conn.execute(PURGE_EXPIRED, {"now": now, "limit": limit}).rowcount
 
 
-def run_once(platform, *, now: datetime | None = None, batch_size: int | None = None,
-             max_batches: int | None = None) -> PurgeReport:
-    """One pass: batches until a short one (or max_batches). Safe to run twice at once."""
-    t = tuning(platform, NAME)
-    now = now or platform.clock.now()
-    batch_size, max_batches = batch_size or t.batch_size, max_batches or t.max_batches
+def _purge(platform, statement: str, params: dict, batch_size: int, max_batches: int) -> tuple[int, int, bool]:
+    """(deleted, batches, complete): batches of `statement` until a short one, or max_batches."""
     deleted = batches = 0
-    complete = False
     while batches < max_batches:
-        n = platform.db.transaction(lambda conn: purge_batch(conn, now=now, limit=batch_size))
+        n = platform.db.transaction(lambda conn: conn.execute(statement, {**params, "limit": batch_size}).rowcount)
         batches += 1
         deleted += n
         if n < batch_size:
-            complete = True
-            break
-    report = PurgeReport(deleted=deleted, batches=batches, complete=complete)
-    if deleted or not complete:
+            return deleted, batches, True
+    return deleted, batches, False
+
+
+def run_once(platform, *, now: datetime | None = None, batch_size: int | None = None,
+             max_batches: int | None = None) -> PurgeReport:
+    """One pass over each table: batches until a short one (or max_batches). Safe to run twice at once."""
+    t = tuning(platform, NAME)
+    now = now or platform.clock.now()
+    batch_size, max_batches = batch_size or t.batch_size, max_batches or t.max_batches
+    deleted, batches, complete = _purge(platform, PURGE_EXPIRED, {"now": now}, batch_size, max_batches)
+    before = now - t.delta(platform.config.timers.webhook_receipt_ttl_seconds)
+    receipts, _, receipts_done = _purge(platform, PURGE_RECEIPTS, {"before": before}, batch_size, max_batches)
+    parked, _, parked_done = _purge(platform, PURGE_PARKED_DONE, {"before": before}, batch_size, max_batches)
+    report = PurgeReport(deleted=deleted, batches=batches, complete=complete and receipts_done and parked_done,
+                         receipts_deleted=receipts, parked_webhooks_deleted=parked)
+    if deleted or receipts or parked or not report.complete:
         logger.info("idempotency records purged", extra=report.as_dict())
     return report

@@ -156,7 +156,9 @@ SERVICES: tuple[Service, ...] = (
             "`aivedio admin wallet rebuild`, by appended adjustments", function="wallet_check",
             legacy_interval=lambda c: c.billing.wallet_check_seconds),
     Service("idempotency-purge", "aivedio.reconcile.idempotency_purge",
-            "deletes idempotency records past their TTL", "touch a live record, or free a spent key (its task keeps it)",
+            "deletes idempotency records past their TTL, and webhook receipts and applied parked webhooks past "
+            "timers.webhook_receipt_ttl_seconds", "touch a live record, free a spent key (its task keeps it), or drop a "
+            "webhook still parked",
             function="idempotency_purge"),
     # --- reservations, outbox dead letters, unsettled terminals (reconcile/expired_reservations.py, ...) ---
     Service("expired-reservations", "aivedio.reconcile.expired_reservations",

@@ -31,6 +31,7 @@ from aivedio_tools.local.lambda_context import FakeLambdaContext
 log = logging.getLogger("aivedio_tools.local.http")
 
 MAX_BODY_BYTES = 10 * 1024 * 1024  # API Gateway's payload quota
+CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,8}")  # a chunk size: hex digits only, at most 4 GiB (the cap refuses sooner)
 MAX_HEADER_LINE_BYTES = 65536  # http.client's limits for a header line and the number of header lines
 MAX_HEADERS = 100
 MAX_HEADER_BLOCK_BYTES = 65536  # all of them together
@@ -209,11 +210,13 @@ class _Handler(BaseHTTPRequestHandler):
         total = 0
         while True:
             line = self.rfile.readline(1024)
-            try:
-                size = int(line.split(b";")[0].strip() or b"x", 16)
-            except ValueError:
+            digits = line.split(b";")[0].strip()
+            # Strictly hex digits (RFC 9112 chunk-size): int(…, 16) also takes "-1", "+5", "0x10" and
+            # "1_0", and a size of -1 would read to the end of the stream past the body cap.
+            if not CHUNK_SIZE.fullmatch(digits):
                 self._reply(apigw.gateway_error(400, "BAD_REQUEST", "invalid chunked encoding"), close=True)
                 return None
+            size = int(digits, 16)
             if size == 0:
                 while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
                     pass  # trailers
@@ -230,7 +233,7 @@ class _Handler(BaseHTTPRequestHandler):
         if body is None:
             return
         url = urlsplit(self.path)
-        served = prometheus.metrics_response(url.path, self.client_address[0]) if self.command == "GET" else None
+        served = prometheus.metrics_response(url.path, self.client_address[0], self.headers.get("Host")) if self.command == "GET" else None
         if served is not None:  # this process's counters as Prometheus text, not an API route
             return self._reply(apigw.HttpResponse(*served))
         event = apigw.to_event(

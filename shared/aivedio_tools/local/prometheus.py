@@ -162,10 +162,26 @@ def _loopback(client_ip: str | None) -> bool:
         return False
 
 
-def metrics_response(path: str, client_ip: str | None = None) -> tuple[int, list[tuple[str, str]], bytes] | None:
-    """(status, headers, body) for `GET /metrics`; None for any other path (the API answers it)."""
+def _loopback_host(host: str | None) -> bool:
+    """Whether a Host header names this machine's loopback (localhost, 127.x, [::1], any port). A
+    page of another site that a browser here was made to send to 127.0.0.1 (DNS rebinding) still
+    names that site."""
+    if host is None:
+        return True  # HTTP/1.0 without a Host: only a local tool sends that
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1:name.find("]")] if "]" in name else name
+    else:
+        name = name.rsplit(":", 1)[0] if name.count(":") == 1 else name
+    return name == "localhost" or _loopback(name)
+
+
+def metrics_response(path: str, client_ip: str | None = None,
+                     host: str | None = None) -> tuple[int, list[tuple[str, str]], bytes] | None:
+    """(status, headers, body) for `GET /metrics`; None for any other path (the API answers it).
+    Served only to a loopback client that asked a loopback host."""
     if path != PATH:
         return None
-    if not _loopback(client_ip):
+    if not _loopback(client_ip) or not _loopback_host(host):
         return 403, [("Content-Type", "text/plain; charset=utf-8")], b"metrics are served to loopback clients only\n"
     return 200, [("Content-Type", CONTENT_TYPE_LATEST)], render()
