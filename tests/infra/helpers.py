@@ -164,3 +164,14 @@ def expected_capabilities(stage: str, name: str, profile: FunctionProfile) -> se
 
 __all__ = ["PROFILES", "capabilities", "expected_capabilities", "lambdas", "function_name", "queue_name",
            "statements_of_role", "role_logical_id"]
+
+
+def alarms(synth, stage: str) -> dict[str, dict]:
+    """The App stack's CloudWatch alarms' properties by alarm name."""
+    return {r["Properties"]["AlarmName"]: r["Properties"] for r in synth.resources(stage, "App", "AWS::CloudWatch::Alarm").values()}
+
+
+def alarm_topic(synth, stage: str) -> dict:
+    """A Ref to the App stack's one SNS topic, where alarms page."""
+    [topic_id] = synth.resources(stage, "App", "AWS::SNS::Topic")
+    return {"Ref": topic_id}

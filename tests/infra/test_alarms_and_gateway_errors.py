@@ -23,15 +23,8 @@ from aivedio.config import BillingConfig
 from aivedio.spend import invoices
 from infra_cdk.observability import BUDGET_SCOPES
 from infra_cdk.stages import STAGES as STAGE_CONFIGS
-
-
-def _alarms(synth, stage) -> dict[str, dict]:
-    return {r["Properties"]["AlarmName"]: r["Properties"] for r in synth.resources(stage, "App", "AWS::CloudWatch::Alarm").values()}
-
-
-def _topic(synth, stage) -> dict:
-    [topic_id] = synth.resources(stage, "App", "AWS::SNS::Topic")
-    return {"Ref": topic_id}
+from tests.infra.helpers import alarm_topic as _topic
+from tests.infra.helpers import alarms as _alarms
 
 
 def _pages(synth, stage, a: dict, missing: str = "ignore") -> None:

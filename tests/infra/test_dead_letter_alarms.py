@@ -16,16 +16,9 @@ from aivedio import events_routing
 from aivedio import metrics_catalog as mc
 from aivedio.reconcile import outbox_dead_letters as svc
 from infra_cdk.messaging import DLQ_RETENTION_DAYS
+from tests.infra.helpers import alarm_topic as _topic
+from tests.infra.helpers import alarms as _alarms
 from tests.infra.helpers import queue_name
-
-
-def _alarms(synth, stage) -> dict[str, dict]:
-    return {r["Properties"]["AlarmName"]: r["Properties"] for r in synth.resources(stage, "App", "AWS::CloudWatch::Alarm").values()}
-
-
-def _topic(synth, stage) -> dict:
-    [topic_id] = synth.resources(stage, "App", "AWS::SNS::Topic")
-    return {"Ref": topic_id}
 
 
 def test_each_dlq_is_kept_and_alarms_on_its_first_message(synth, stage):
