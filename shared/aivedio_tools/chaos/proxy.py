@@ -304,7 +304,10 @@ class FaultProxy:
             if direction == "up":
                 self._threads = [x for x in self._threads if x.is_alive()]
             self._threads.append(t)
-        t.start()
+            # Started under the lock: a thread listed but not yet started is not alive, and another
+            # link's prune (or stop's wait) in that gap would drop it, untracked, still to run.
+            # start() only waits for the thread to exist; its target takes the lock later.
+            t.start()
 
     def _snapshot(self) -> list[_Link]:
         with self._lock:
