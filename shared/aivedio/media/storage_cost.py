@@ -30,6 +30,7 @@ import psycopg
 from aivedio.config import MediaConfig
 from aivedio.media.retention import RetentionClass, by_name
 from aivedio.spend import parked
+from aivedio.spend.costs import QUANTUM
 
 GB = Decimal(2 ** 30)
 HOURS_PER_MONTH = Decimal(730)
@@ -125,15 +126,14 @@ def check_month(conn: psycopg.Connection, month: date, m: MediaConfig) -> dict:
     platform expects; a difference above the tolerance is parked (once per pair of figures)."""
     month = month.replace(day=1)
     prices = StoragePrices.of(m)
-    expected = expected_month(conn, month, prices)
+    expected = expected_month(conn, month, prices).quantize(QUANTUM)
     billed = {r["currency"]: r for r in conn.execute(BILLED_IN_MONTH, {"month": month, "timed": TIMED_STORAGE})}
     if not billed:
-        return {"month": month.isoformat(), "status": "NO_BILL", "expected": str(expected.quantize(Decimal("0.00000001"))),
-                "currency": prices.currency}
+        return {"month": month.isoformat(), "status": "NO_BILL", "expected": str(expected), "currency": prices.currency}
     bill = billed.get(prices.currency)
     amount = Decimal(bill["amount"]) if bill else Decimal(0)
     tolerance = max(amount, expected) * Decimal(m.storage_check_tolerance_pct) / 100
-    doc = {"month": month.isoformat(), "currency": prices.currency, "expected": str(expected.quantize(Decimal("0.00000001"))),
+    doc = {"month": month.isoformat(), "currency": prices.currency, "expected": str(expected),
            "billed": str(amount), "lines": bill["lines"] if bill else 0,
            "other_currencies": sorted(c for c in billed if c != prices.currency),
            "tolerance_pct": m.storage_check_tolerance_pct}

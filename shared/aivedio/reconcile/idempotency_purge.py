@@ -83,11 +83,6 @@ class PurgeReport:
                                "parked_webhooks": self.parked_webhooks_deleted})
 
 
-def purge_batch(conn, *, now: datetime, limit: int) -> int:
-    """Delete up to `limit` records expired by `now`, in the caller's transaction. Returns how many."""
-    return conn.execute(PURGE_EXPIRED, {"now": now, "limit": limit}).rowcount
-
-
 def _purge(platform, statement: str, params: dict, batch_size: int, max_batches: int) -> tuple[int, int, bool]:
     """(deleted, batches, complete): batches of `statement` until a short one, or max_batches."""
     deleted = batches = 0
